@@ -1,0 +1,21 @@
+# The two commands of the README: `make demo` and `make test`. Both prepare the machine first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint typecheck unit protos
+
+setup:
+	@bash scripts/bootstrap.sh
+
+demo: setup
+	$(BIN)/fthsdp demo $(ARGS)
+
+test: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+protos: setup
+	bash scripts/gen_protos.sh

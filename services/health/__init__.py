@@ -1,0 +1,1 @@
+"""fthsdp health service (planned: see the health issue)."""
