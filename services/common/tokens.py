@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TOKEN_ENV = "FTHSDP_TOKEN"
-TOKEN_FILE_ENV = "FTHSDP_TOKEN_FILE"
+TOKEN_ENV = "FTHSDP_TOKEN"  # noqa: S105 (a variable name, not a secret)
+TOKEN_FILE_ENV = "FTHSDP_TOKEN_FILE"  # noqa: S105
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096
 
@@ -47,7 +47,7 @@ class Token:
 def load_token(
     value: str | None = None, path: str | None = None, env: dict[str, str] | None = None
 ) -> Token:
-    """Resolves the token: an explicit value, else a file, else FTHSDP_TOKEN, else FTHSDP_TOKEN_FILE.
+    """The token: an explicit value, else a file, else FTHSDP_TOKEN, else FTHSDP_TOKEN_FILE.
 
     Raises ValueError when none is set, so no service ever starts without authentication."""
     environ = os.environ if env is None else env

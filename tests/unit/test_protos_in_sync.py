@@ -22,7 +22,9 @@ def test_generated_protos_match_sources(tmp_path: Path) -> None:
     )
     generated = sorted(p.name for p in (tmp_path / "protos").iterdir())
     checked_in = sorted(
-        p.name for p in (ROOT / "protos").iterdir() if p.name.split(".")[0].endswith(("_pb2", "_grpc"))
+        p.name
+        for p in (ROOT / "protos").iterdir()
+        if p.name.split(".")[0].endswith(("_pb2", "_grpc"))
     )
     assert generated == checked_in
     for name in generated:

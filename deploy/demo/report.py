@@ -1,0 +1,715 @@
+"""Read a demo run directory and judge it: the final JSON report with invariants I1 and I2, the
+cost of every injected failure, and the effective training time.
+
+A run directory holds `replicas/<replica_id>.jsonl` (one per replica, appended by its leader across
+restarts) and `supervisor.jsonl` (the launcher). The writers are processes that get `kill -9`ed, so
+the readers here expect damage: a last line cut short, or a cut line with the next incarnation's
+first line glued onto it. Such a line is salvaged when a whole event ends it and skipped (and
+counted) otherwise. Unknown events and unknown fields are ignored so writers can add them; a known
+event with a wrongly typed field is a writer bug and raises `ValueError` naming file and line.
+
+`JsonlTail` reads incrementally (the live view polls it); `RunLog.load` reads a finished run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Events
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartEvent:
+    """A replica's leader began an incarnation."""
+
+    t: float
+    """Unix seconds."""
+    replica: str
+    """Replica id."""
+    incarnation: int
+    """How many times this replica has started before."""
+    step: int
+    """The step it starts at."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommitEvent:
+    """A replica committed a step."""
+
+    t: float
+    """Unix seconds."""
+    replica: str
+    """The logging replica."""
+    step: int
+    """The committed step."""
+    quorum_id: int
+    """The quorum the step was committed in."""
+    healthy: tuple[str, ...]
+    """Replicas at max_step in that quorum."""
+    recovered: bool
+    """The logger caught up from peers in this step."""
+    trained: Mapping[str, tuple[int, int]]
+    """Per contributing replica, the [start, end) shard positions trained in this step."""
+    loss: float | None
+    """The logger's loss; None when it recovered in this step."""
+    tokens: int
+    """Tokens the logger trained in this step."""
+    attempts: int
+    """Exchange attempts before the commit."""
+    seconds: Mapping[str, float]
+    """Phase durations (quorum, exchange, fetch, commit, total)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FinalEvent:
+    """A replica still alive at the end reported its state."""
+
+    t: float
+    """Unix seconds."""
+    replica: str
+    """Replica id."""
+    step: int
+    """The step it stands at."""
+    fingerprint: str
+    """sha256 hex of parameter and optimizer bytes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunEvent:
+    """The launcher's description of the run (first supervisor line)."""
+
+    t: float
+    """Unix seconds."""
+    replicas: tuple[str, ...]
+    """Replica ids."""
+    world_size: int
+    """Ranks per replica."""
+    kill_every_s: float | None
+    """Seconds between injected failures; None when none are injected."""
+    kill_mode: str
+    """Default failure kind."""
+    seed: int
+    """Model and data seed."""
+    samples_per_step: int
+    """Shard positions one replica trains per contributing step."""
+    total_replicas: int
+    """Shards of the data stream (replicas the job was configured with)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InjectEvent:
+    """The launcher injected a failure."""
+
+    t: float
+    """Unix seconds."""
+    replica: str
+    """Victim."""
+    mode: str
+    """process, replica or hang."""
+    rank: int | None
+    """Victim rank, None for the whole replica."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExitEvent:
+    """A rank process ended."""
+
+    t: float
+    """Unix seconds."""
+    replica: str
+    """Its replica."""
+    rank: int
+    """Its rank."""
+    code: int
+    """Exit code; negative for a signal."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RestartEvent:
+    """The launcher restarted a replica."""
+
+    t: float
+    """Unix seconds."""
+    replica: str
+    """Replica id."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuorumEvent:
+    """The quorum service formed a new quorum."""
+
+    t: float
+    """Unix seconds."""
+    quorum_id: int
+    """Monotonic epoch."""
+    members: tuple[str, ...]
+    """Replicas in the quorum."""
+    healthy: tuple[str, ...]
+    """Members at max_step."""
+    max_step: int
+    """Highest step among members."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EndEvent:
+    """The launcher ended the run."""
+
+    t: float
+    """Unix seconds."""
+
+
+ReplicaEvent = StartEvent | CommitEvent | FinalEvent
+SupervisorEvent = RunEvent | InjectEvent | ExitEvent | RestartEvent | QuorumEvent | EndEvent
+Event = ReplicaEvent | SupervisorEvent
+
+_MISSING: Any = object()
+
+
+def _field(
+    obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any = _MISSING
+) -> Any:
+    value = obj.get(key, _MISSING)
+    if value is _MISSING or (value is None and default is None):
+        if default is _MISSING:
+            raise ValueError(f"missing field {key!r}")
+        return default
+    # bool is an int subclass; a JSON true where a number belongs is a writer bug.
+    if isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"field {key!r} must be {kind}, got bool")
+    if not isinstance(value, kind):
+        raise ValueError(f"field {key!r} must be {kind}, got {type(value).__name__}")
+    return value
+
+
+def _number(obj: Mapping[str, Any], key: str, default: Any = _MISSING) -> Any:
+    value = _field(obj, key, (int, float), default)
+    return value if value is None else float(value)
+
+
+def _names(obj: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    values = _field(obj, key, list)
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"field {key!r} must be a list of strings")
+    return tuple(values)
+
+
+def _trained(obj: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for replica, span in _field(obj, "trained", dict).items():
+        ok = isinstance(span, list) and len(span) == 2
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+        if not ok or not 0 <= span[0] <= span[1]:
+            raise ValueError(f"trained[{replica!r}] must be [start, end] with 0 <= start <= end")
+        out[replica] = (span[0], span[1])
+    return out
+
+
+def _seconds(obj: Mapping[str, Any]) -> dict[str, float]:
+    raw = _field(obj, "seconds", dict, {})
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw.values()):
+        raise ValueError("field 'seconds' must map names to numbers")
+    return {k: float(v) for k, v in raw.items()}
+
+
+def parse_event(obj: Mapping[str, Any]) -> Event | None:
+    """The typed event of one decoded line; None for an event kind this reader does not know."""
+    kind = _field(obj, "event", str)
+    t = _number(obj, "t")
+    if kind == "start":
+        return StartEvent(
+            t=t,
+            replica=_field(obj, "replica", str),
+            incarnation=_field(obj, "incarnation", int, 0),
+            step=_field(obj, "step", int),
+        )
+    if kind == "commit":
+        return CommitEvent(
+            t=t,
+            replica=_field(obj, "replica", str),
+            step=_field(obj, "step", int),
+            quorum_id=_field(obj, "quorum_id", int),
+            healthy=_names(obj, "healthy"),
+            recovered=_field(obj, "recovered", bool, False),
+            trained=_trained(obj),
+            loss=_number(obj, "loss", None),
+            tokens=_field(obj, "tokens", int, 0),
+            attempts=_field(obj, "attempts", int, 1),
+            seconds=_seconds(obj),
+        )
+    if kind == "final":
+        return FinalEvent(
+            t=t,
+            replica=_field(obj, "replica", str),
+            step=_field(obj, "step", int),
+            fingerprint=_field(obj, "fingerprint", str),
+        )
+    if kind == "run":
+        replicas = _names(obj, "replicas")
+        return RunEvent(
+            t=t,
+            replicas=replicas,
+            world_size=_field(obj, "world_size", int, 1),
+            kill_every_s=_number(obj, "kill_every_s", None),
+            kill_mode=_field(obj, "kill_mode", str, "process"),
+            seed=_field(obj, "seed", int, 0),
+            samples_per_step=_field(obj, "samples_per_step", int, 0),
+            total_replicas=_field(obj, "total_replicas", int, len(replicas)),
+        )
+    if kind == "inject":
+        return InjectEvent(
+            t=t,
+            replica=_field(obj, "replica", str),
+            mode=_field(obj, "mode", str),
+            rank=_field(obj, "rank", int, None),
+        )
+    if kind == "exit":
+        return ExitEvent(
+            t=t,
+            replica=_field(obj, "replica", str),
+            rank=_field(obj, "rank", int, 0),
+            code=_field(obj, "code", int, 0),
+        )
+    if kind == "restart":
+        return RestartEvent(t=t, replica=_field(obj, "replica", str))
+    if kind == "quorum":
+        return QuorumEvent(
+            t=t,
+            quorum_id=_field(obj, "quorum_id", int),
+            members=_names(obj, "members"),
+            healthy=_names(obj, "healthy"),
+            max_step=_field(obj, "max_step", int, 0),
+        )
+    if kind == "end":
+        return EndEvent(t=t)
+    return None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _decode_line(line: str) -> dict[str, Any] | None:
+    """The object on a line, or the whole object that ends a line whose start was cut off by a
+    kill (the next incarnation appended after the fragment); None when nothing is recoverable."""
+    try:
+        obj = json.loads(line)
+        return obj if isinstance(obj, dict) else None
+    except json.JSONDecodeError:
+        pass
+    end = len(line)
+    # The leftmost '{' that decodes exactly to the end of the line is the outermost object; an
+    # inner dict ("trained", "seconds") never reaches the end because its parent's '}' follows.
+    for i in range(1, end):
+        if line[i] != "{":
+            continue
+        try:
+            obj, stop = _DECODER.raw_decode(line, i)
+        except json.JSONDecodeError:
+            continue
+        if stop == end and isinstance(obj, dict) and "event" in obj:
+            return obj
+    return None
+
+
+class JsonlTail:
+    """Incremental reader of one append-only JSONL file: each `poll` reads only bytes appended
+    since the last one and keeps an unterminated last line until its newline arrives."""
+
+    def __init__(self, path: Path, *, strict: bool = True) -> None:
+        self.path = path
+        self.strict = strict
+        """Raise on a known event with bad fields; otherwise record it in `skipped` (the live
+        view must keep drawing whatever a writer does)."""
+        self._offset = 0
+        self._partial = b""
+        self._lineno = 0
+        self.skipped: list[str] = []
+        """'file:line: reason' for every line that could not be read."""
+
+    def poll(self, *, final: bool = False) -> list[Event]:
+        """Events completed since the last poll. With `final`, an unterminated last line is parsed
+        too: the writer is gone, so no newline will ever come."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        if final and self._partial:
+            lines.append(self._partial)
+            self._partial = b""
+        return [e for e in (self._parse(raw) for raw in lines) if e is not None]
+
+    def _parse(self, raw: bytes) -> Event | None:
+        self._lineno += 1
+        where = f"{self.path}:{self._lineno}"
+        line = raw.decode("utf-8", errors="replace").strip()
+        if not line:
+            return None
+        obj = _decode_line(line)
+        if obj is None:
+            self.skipped.append(f"{where}: unreadable line")
+            return None
+        try:
+            return parse_event(obj)
+        except ValueError as exc:
+            if self.strict:
+                raise ValueError(f"{where}: {exc}") from None
+            self.skipped.append(f"{where}: {exc}")
+            return None
+
+
+def replica_log_paths(run_dir: Path) -> dict[str, Path]:
+    """Replica id → its log file."""
+    return {p.stem: p for p in sorted((run_dir / "replicas").glob("*.jsonl"))}
+
+
+@dataclass(kw_only=True, slots=True)
+class RunLog:
+    """Everything a run directory recorded, in file order."""
+
+    run: RunEvent | None = None
+    """The launcher's first line, if written."""
+    supervisor: list[SupervisorEvent] = field(default_factory=list)
+    """Supervisor events other than `run`."""
+    replicas: dict[str, list[ReplicaEvent]] = field(default_factory=dict)
+    """Replica id → its events."""
+    skipped: list[str] = field(default_factory=list)
+    """Lines that could not be read."""
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> RunLog:
+        run_dir = Path(run_dir)
+        if not run_dir.is_dir():
+            raise ValueError(f"run directory {run_dir} does not exist")
+        log = cls()
+        sup = JsonlTail(run_dir / "supervisor.jsonl")
+        log.add(sup.poll(final=True))
+        log.skipped.extend(sup.skipped)
+        for replica, path in replica_log_paths(run_dir).items():
+            tail = JsonlTail(path)
+            log.replicas.setdefault(replica, [])
+            log.add(tail.poll(final=True))
+            log.skipped.extend(tail.skipped)
+        return log
+
+    def add(self, events: Iterable[Event]) -> None:
+        """Append events (the live view feeds polled events through here too)."""
+        for event in events:
+            if isinstance(event, RunEvent):
+                self.run = event
+            elif isinstance(event, StartEvent | CommitEvent | FinalEvent):
+                self.replicas.setdefault(event.replica, []).append(event)
+            else:
+                self.supervisor.append(event)
+
+    def replica_ids(self) -> list[str]:
+        ids = set(self.replicas)
+        if self.run is not None:
+            ids.update(self.run.replicas)
+        return sorted(ids)
+
+    def commits(self, replica: str | None = None) -> list[CommitEvent]:
+        """Commit lines of one replica, or of all replicas ordered by time."""
+        sources = [replica] if replica is not None else list(self.replicas)
+        out = [e for r in sources for e in self.replicas.get(r, []) if isinstance(e, CommitEvent)]
+        return out if replica is not None else sorted(out, key=lambda e: e.t)
+
+    def of_type(self, kind: type[Any]) -> list[Any]:
+        return [e for e in self.supervisor if isinstance(e, kind)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis
+
+
+@dataclass(kw_only=True, slots=True)
+class _Ledger:
+    """What was trained, reconciled over the commit lines of every logger."""
+
+    spans: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    """(step, contributing replica) → [start, end) shard positions."""
+    inconsistencies: list[dict[str, Any]] = field(default_factory=list)
+    """Loggers disagreeing about a step's contributors or a contributor's range."""
+
+
+def _ledger(log: RunLog) -> _Ledger:
+    ledger = _Ledger()
+    # Every replica that commits a step logs the same `trained` map, so any logger is a witness
+    # for every contributor; keeping the first witness and comparing the rest finds disagreement.
+    witness: dict[tuple[int, str], str] = {}
+    contributors: dict[int, tuple[str, frozenset[str]]] = {}
+    for c in log.commits():
+        seen = contributors.setdefault(c.step, (c.replica, frozenset(c.trained)))
+        if seen[1] != frozenset(c.trained):
+            ledger.inconsistencies.append(
+                {
+                    "kind": "contributors",
+                    "step": c.step,
+                    "loggers": {seen[0]: sorted(seen[1]), c.replica: sorted(c.trained)},
+                }
+            )
+        for replica, span in c.trained.items():
+            key = (c.step, replica)
+            if key not in ledger.spans:
+                ledger.spans[key], witness[key] = span, c.replica
+            elif ledger.spans[key] != span:
+                ledger.inconsistencies.append(
+                    {
+                        "kind": "range",
+                        "step": c.step,
+                        "replica": replica,
+                        "loggers": {witness[key]: list(ledger.spans[key]), c.replica: list(span)},
+                    }
+                )
+    return ledger
+
+
+def _samples(ledger: _Ledger, replica: str) -> list[dict[str, int]]:
+    rows = [
+        {"step": step, "start": span[0], "end": span[1]}
+        for (step, r), span in ledger.spans.items()
+        if r == replica
+    ]
+    return sorted(rows, key=lambda row: (row["start"], row["step"]))
+
+
+def _merge(rows: list[dict[str, int]]) -> list[list[int]]:
+    merged: list[list[int]] = []
+    for row in rows:
+        if merged and row["start"] <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], row["end"])
+        else:
+            merged.append([row["start"], row["end"]])
+    return merged
+
+
+def _exactly_once_violation(rows: list[dict[str, int]], samples_per_step: int) -> str | None:
+    """The first way `rows` (sorted by start) fails to tile [0, end) once, in step order."""
+    expected, last_step = 0, -1
+    for row in rows:
+        where = f"step {row['step']} [{row['start']}, {row['end']})"
+        if row["start"] > expected:
+            return f"gap: positions [{expected}, {row['start']}) never trained before {where}"
+        if row["start"] < expected:
+            return f"overlap: {where} retrains positions before {expected}"
+        if samples_per_step and row["end"] - row["start"] != samples_per_step:
+            return f"size: {where} is not {samples_per_step} positions"
+        if row["step"] <= last_step:
+            return f"order: {where} comes after step {last_step} in the data stream"
+        expected, last_step = row["end"], row["step"]
+    return None
+
+
+def _invariant_i1(log: RunLog) -> dict[str, Any]:
+    finals: dict[str, FinalEvent] = {}
+    for replica, events in log.replicas.items():
+        for e in events:
+            if isinstance(e, FinalEvent):
+                finals[replica] = e
+    if not finals:
+        return {"ok": False, "detail": "no replica reported a final state"}
+    top = max(f.step for f in finals.values())
+    at_top = {r: f.fingerprint for r, f in sorted(finals.items()) if f.step == top}
+    ok = len(set(at_top.values())) == 1
+    detail = f"{len(at_top)} replica(s) at step {top} " + (
+        "share one fingerprint" if ok else f"differ: {at_top}"
+    )
+    return {"ok": ok, "detail": detail}
+
+
+def _invariant_i2(
+    log: RunLog, ledger: _Ledger, samples: Mapping[str, list[dict[str, int]]]
+) -> dict[str, Any]:
+    if ledger.inconsistencies:
+        first = ledger.inconsistencies[0]
+        return {"ok": False, "detail": f"loggers disagree: {json.dumps(first, sort_keys=True)}"}
+    sps = log.run.samples_per_step if log.run is not None else 0
+    for replica, rows in samples.items():
+        violation = _exactly_once_violation(rows, sps)
+        if violation is not None:
+            return {"ok": False, "detail": f"{replica}: {violation}"}
+    trained = sum(r["end"] - r["start"] for rows in samples.values() for r in rows)
+    return {"ok": True, "detail": f"{trained} samples trained exactly once"}
+
+
+def _median_commit_interval(log: RunLog) -> float:
+    gaps: list[float] = []
+    for replica in log.replicas:
+        times = [c.t for c in log.commits(replica)]
+        gaps.extend(b - a for a, b in itertools.pairwise(times))
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def _survivor_stall(log: RunLog, inject: InjectEvent, until: float, median: float) -> float | None:
+    """Largest commit gap of any other replica that overlaps [inject, until], beyond the usual
+    interval. Replicas themselves failed within that gap are not survivors."""
+    failures = [e for e in log.supervisor if isinstance(e, InjectEvent | ExitEvent)]
+    worst: float | None = None
+    for replica in log.replicas:
+        if replica == inject.replica:
+            continue
+        times = [c.t for c in log.commits(replica)]
+        for a, b in itertools.pairwise(times):
+            if a > until or b < inject.t:
+                continue
+            if any(f.replica == replica and a <= f.t <= b for f in failures):
+                continue
+            worst = max(worst or 0.0, b - a)
+    return None if worst is None else max(0.0, worst - median)
+
+
+def _failure(log: RunLog, inject: InjectEvent, median: float, t0: float) -> dict[str, Any]:
+    quorums = [q for q in log.of_type(QuorumEvent) if q.t > inject.t]
+    evicted = next((q for q in quorums if inject.replica not in q.members), None)
+    detection = None if evicted is None else evicted.t - inject.t
+    # A commit logged right after the inject may have raced the kill; only a commit after the
+    # victim restarted (or, without a restart, after it was evicted) shows it healthy again.
+    restarts = [
+        e.t
+        for e in log.replicas.get(inject.replica, [])
+        if isinstance(e, StartEvent) and e.t > inject.t
+    ]
+    back_from = restarts[0] if restarts else (evicted.t if evicted else inject.t)
+    rejoin = next((c for c in log.commits(inject.replica) if c.t > back_from), None)
+    until = evicted.t if evicted else inject.t
+    stall = _survivor_stall(log, inject, until, median)
+    return {
+        "t": round(inject.t - t0, 3),
+        "replica": inject.replica,
+        "mode": inject.mode,
+        "rank": inject.rank,
+        "step": _step_at(log, inject.t),
+        "detection_s": None if detection is None else round(detection, 3),
+        "survivor_stall_s": None if stall is None else round(stall, 3),
+        "time_to_healthy_s": None if rejoin is None else round(rejoin.t - inject.t, 3),
+    }
+
+
+def _step_at(log: RunLog, t: float) -> int:
+    """The step the healthy replicas stood at (were working on) at time t."""
+    done = [c.step for c in log.commits() if c.t <= t]
+    return max(done) + 1 if done else 0
+
+
+def _start_time(log: RunLog) -> float:
+    if log.run is not None:
+        return log.run.t
+    times = [e.t for e in log.supervisor] + [e.t for es in log.replicas.values() for e in es]
+    return min(times, default=0.0)
+
+
+def _end_time(log: RunLog) -> float:
+    ends = log.of_type(EndEvent)
+    if ends:
+        return float(ends[-1].t)
+    times = [e.t for e in log.supervisor] + [e.t for es in log.replicas.values() for e in es]
+    return max(times, default=0.0)
+
+
+def _tokens(log: RunLog, ledger: _Ledger) -> int:
+    """Tokens of every useful (step, replica) pair, from the contributor's own commit line; a
+    contributor killed before it logged is counted at the median of logged contributions."""
+    logged = {(c.step, c.replica): c.tokens for c in log.commits() if c.replica in c.trained}
+    fill = int(statistics.median(logged.values())) if logged else 0
+    return sum(logged.get(key, fill) for key in ledger.spans)
+
+
+def _series(log: RunLog, t0: float) -> dict[str, Any]:
+    losses = {
+        r: [[c.step, c.loss] for c in log.commits(r) if c.loss is not None] for r in log.replicas
+    }
+    healthy = [[round(q.t - t0, 3), len(q.healthy), q.quorum_id] for q in log.of_type(QuorumEvent)]
+    return {"loss": losses, "healthy": healthy}
+
+
+def analyse(log: RunLog) -> dict[str, Any]:
+    """The report of a loaded run (see `build_report`)."""
+    ledger = _ledger(log)
+    ids = log.replica_ids()
+    samples = {r: _samples(ledger, r) for r in ids}
+    t0, t1 = _start_time(log), _end_time(log)
+    median = _median_commit_interval(log)
+    finals = {
+        r: next((e for e in reversed(log.replicas.get(r, [])) if isinstance(e, FinalEvent)), None)
+        for r in ids
+    }
+    steps = {step for step, _ in ledger.spans} | {c.step for c in log.commits()}
+    total = log.run.total_replicas if log.run is not None else len(ids)
+    possible = total * len(steps)
+    wall = max(0.0, t1 - t0)
+    tokens = _tokens(log, ledger)
+    return {
+        "run": None if log.run is None else _run_dict(log.run),
+        "replicas": {r: _replica_entry(log, r, finals[r], samples[r]) for r in ids},
+        "invariants": {"I1": _invariant_i1(log), "I2": _invariant_i2(log, ledger, samples)},
+        "inconsistencies": ledger.inconsistencies,
+        "failures": [_failure(log, i, median, t0) for i in log.of_type(InjectEvent)],
+        "effective_training_time": None
+        if possible == 0
+        else round(len(ledger.spans) / possible, 4),
+        "summary": {
+            "steps_committed": len(steps),
+            "useful_replica_steps": len(ledger.spans),
+            "possible_replica_steps": possible,
+            "wall_time_s": round(wall, 3),
+            "median_step_s": round(median, 4),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+            "failures_injected": len(log.of_type(InjectEvent)),
+            "quorums": len(log.of_type(QuorumEvent)),
+        },
+        "series": _series(log, t0),
+        "skipped_lines": log.skipped,
+    }
+
+
+def _replica_entry(
+    log: RunLog, replica: str, final: FinalEvent | None, samples: list[dict[str, int]]
+) -> dict[str, Any]:
+    return {
+        "final_step": None if final is None else final.step,
+        "fingerprint": None if final is None else final.fingerprint,
+        "commits": len(log.commits(replica)),
+        "samples": samples,
+        "coverage": _merge(samples),
+    }
+
+
+def _run_dict(run: RunEvent) -> dict[str, Any]:
+    return {
+        "replicas": list(run.replicas),
+        "world_size": run.world_size,
+        "kill_every_s": run.kill_every_s,
+        "kill_mode": run.kill_mode,
+        "seed": run.seed,
+        "samples_per_step": run.samples_per_step,
+        "total_replicas": run.total_replicas,
+    }
+
+
+def build_report(run_dir: str | Path) -> dict[str, Any]:
+    """The JSON-ready report of a run directory: per replica its final step, fingerprint and the
+    exact shard positions it trained; invariants I1 and I2; per injected failure its detection
+    time, the survivors' stall and the time until the victim was healthy again; the effective
+    training time; summary numbers; and the series the plots draw."""
+    return analyse(RunLog.load(run_dir))
+
+
+def write_report(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
+    """Build the report and write it as indented JSON (atomically: a reader never sees half)."""
+    report = build_report(run_dir)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return report

@@ -1,0 +1,243 @@
+"""Runs the demo's replicas as local processes, restarts the ones that die, and injects failures.
+
+Like a per-host agent (torchrun's, a node agent): it sees a rank process end at once, kills the
+rest of that replica (the replica is the unit of failure), tells the quorum service so survivors
+stop waiting for it, and starts the replica again as a new incarnation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KILL_MODES = ("process", "replica", "hang")
+
+
+class EventLog:
+    """The supervisor's JSON-lines log (the format `deploy.demo.report` reads)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def free_port() -> int:
+    """A port the kernel considers free now (for a replica's intra-group rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(slots=True)
+class Replica:
+    """One replica's rank processes, as the supervisor sees them."""
+
+    replica_id: str
+    index: int
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    restart_at: float | None = None
+    """When a dead replica is started again (monotonic time); None while it runs."""
+    hung: bool = False
+    starts: int = 0
+
+    @property
+    def running(self) -> bool:
+        return bool(self.procs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaCommand:
+    """How to start the ranks of a replica."""
+
+    run_dir: Path
+    """Where logs go."""
+    world_size: int
+    """Ranks per replica."""
+    total_replicas: int
+    """Replicas in the job."""
+    quorum_address: str
+    """The quorum service."""
+    checkpoint_urls: Mapping[str, str]
+    """Replica id → the checkpoint sidecar of the host it runs on."""
+    shm_dirs: Mapping[str, str]
+    """Replica id → that sidecar's shared-memory directory."""
+    token_file: Path
+    """Bearer token file handed to every rank."""
+    extra_args: tuple[str, ...] = ()
+    """Further flags for `deploy.demo.train`."""
+
+    def argv(self, replica: Replica, rank: int, init_port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "deploy.demo.train",
+            "--run-dir",
+            str(self.run_dir),
+            "--replica-id",
+            replica.replica_id,
+            "--replica-index",
+            str(replica.index),
+            "--total-replicas",
+            str(self.total_replicas),
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(self.world_size),
+            "--init-method",
+            f"tcp://127.0.0.1:{init_port}",
+            "--quorum",
+            self.quorum_address,
+            "--checkpoint-url",
+            self.checkpoint_urls[replica.replica_id],
+            "--shm-dir",
+            self.shm_dirs[replica.replica_id],
+            "--token-file",
+            str(self.token_file),
+            "--stop-file",
+            str(self.run_dir / "stop.json"),
+            *self.extra_args,
+        ]
+
+
+class Supervisor:
+    """Starts, watches, restarts and (on purpose) breaks replicas."""
+
+    def __init__(
+        self,
+        command: ReplicaCommand,
+        events: EventLog,
+        *,
+        on_failure: Any,
+        restart_delay: float = 0.5,
+    ) -> None:
+        self.command = command
+        self.events = events
+        self._on_failure = on_failure
+        self._restart_delay = restart_delay
+        self.replicas = [
+            Replica(replica_id=f"r{i}", index=i) for i in range(command.total_replicas)
+        ]
+        self._logs = command.run_dir / "logs"
+        self._logs.mkdir(parents=True, exist_ok=True)
+        self.stopping = False
+
+    def by_id(self, replica_id: str) -> Replica | None:
+        return next((r for r in self.replicas if r.replica_id == replica_id), None)
+
+    def start(self, replica: Replica) -> None:
+        port = free_port()
+        replica.starts += 1
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        out = (self._logs / f"{replica.replica_id}.log").open("ab")
+        replica.procs = [
+            subprocess.Popen(
+                self.command.argv(replica, rank, port), env=env, stdout=out, stderr=out
+            )
+            for rank in range(self.command.world_size)
+        ]
+        out.close()
+        replica.restart_at = None
+        replica.hung = False
+        self.events.write("restart" if replica.starts > 1 else "launch", replica=replica.replica_id)
+
+    def start_all(self) -> None:
+        for replica in self.replicas:
+            self.start(replica)
+
+    def fail(self, replica: Replica, reason: str) -> None:
+        """Kills what is left of a replica, reports it, and schedules its restart."""
+        for proc in replica.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in replica.procs:
+            proc.wait()
+        replica.procs = []
+        self._on_failure(replica.replica_id, reason)
+        if not self.stopping:
+            replica.restart_at = time.monotonic() + self._restart_delay
+
+    def poll(self) -> None:
+        """Reaps ended ranks; a dead rank takes its whole replica down; restarts when due."""
+        now = time.monotonic()
+        for replica in self.replicas:
+            for rank, proc in enumerate(replica.procs):
+                code = proc.poll()
+                if code is None:
+                    continue
+                self.events.write("exit", replica=replica.replica_id, rank=rank, code=code)
+                if code == 0 and self.stopping:
+                    continue
+                self.fail(replica, f"rank {rank} exited with {code}")
+                break
+            if self.stopping and replica.procs and all(p.poll() is not None for p in replica.procs):
+                replica.procs = []
+            if replica.restart_at is not None and now >= replica.restart_at and not self.stopping:
+                self.start(replica)
+
+    def inject(self, mode: str, rng: random.Random) -> str | None:
+        """Breaks one running replica on purpose; returns its id (None if none was running)."""
+        candidates = [r for r in self.replicas if r.running and not r.hung]
+        if not candidates:
+            return None
+        replica = rng.choice(candidates)
+        rank: int | None = None
+        if mode == "process":
+            rank = rng.randrange(len(replica.procs))
+            replica.procs[rank].send_signal(signal.SIGKILL)
+        elif mode == "replica":
+            for proc in replica.procs:
+                proc.send_signal(signal.SIGKILL)
+        elif mode == "hang":
+            # The whole replica stops making progress (a hung host): its heartbeats stop, the
+            # quorum service evicts it, and the supervisor replaces it when it sees the eviction.
+            for proc in replica.procs:
+                proc.send_signal(signal.SIGSTOP)
+            replica.hung = True
+        else:
+            raise ValueError(f"unknown kill mode {mode!r}; choose from {KILL_MODES}")
+        self.events.write("inject", replica=replica.replica_id, mode=mode, rank=rank)
+        return replica.replica_id
+
+    def evicted(self, replica_id: str) -> None:
+        """The quorum service evicted a replica: if its processes still exist, replace them."""
+        replica = self.by_id(replica_id)
+        if replica is not None and replica.running and not self.stopping:
+            self.fail(replica, "evicted by the quorum service")
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds."""
+        self.stopping = True
+        procs = [p for r in self.replicas for p in r.procs]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for replica in self.replicas:
+            replica.procs = []

@@ -1,0 +1,198 @@
+"""One rank of the demo job: a tiny GPT trained with the fthsdp Manager.
+
+Started by the local launcher (one process per rank, `python -m deploy.demo.train ...`); it can
+equally run under torchrun (one torchrun job per replica) since it reads RANK/WORLD_SIZE/
+MASTER_ADDR/MASTER_PORT when the flags are absent. The replica leader appends JSON lines to
+`<run-dir>/replicas/<replica>.jsonl` (the format `deploy.demo.report` reads)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deploy.demo.corpus import CharDataset
+from deploy.demo.model import TinyGPTConfig, build_model
+from services.common.tokens import load_token
+from worker.config import ManagerConfig
+from worker.data import ExactlyOnceLoader, ShardSpec
+from worker.faults import FaultPlan
+from worker.manager import Manager, StepOutcome
+from worker.replica_group import ReplicaGroup
+
+log = logging.getLogger("fthsdp.demo")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run-dir", type=Path, required=True, help="where the JSON-lines logs go")
+    p.add_argument("--job", default="demo", help="job id (checkpoints are stored under it)")
+    p.add_argument("--replica-id", required=True, help="stable id of this replica, e.g. r0")
+    p.add_argument("--replica-index", type=int, required=True, help="data shard of the replica")
+    p.add_argument("--total-replicas", type=int, required=True, help="replicas in the job")
+    p.add_argument("--rank", type=int, default=int(env.get("RANK", "0")), help="rank in replica")
+    p.add_argument(
+        "--world-size", type=int, default=int(env.get("WORLD_SIZE", "1")), help="ranks/replica"
+    )
+    default_init = (
+        f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{env['MASTER_PORT']}"
+        if "MASTER_PORT" in env
+        else None
+    )
+    p.add_argument("--init-method", default=default_init, help="rendezvous of the replica's ranks")
+    p.add_argument("--quorum", required=True, help="quorum service host:port")
+    p.add_argument("--checkpoint-url", required=True, help="this host's checkpoint sidecar URL")
+    p.add_argument(
+        "--shm-dir", default="/dev/shm", help="shared-memory dir of the checkpoint sidecar"
+    )
+    p.add_argument("--token-file", help="bearer token file (else FTHSDP_TOKEN/FTHSDP_TOKEN_FILE)")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model init seed (same on every replica)")
+    p.add_argument("--durable-every-steps", type=int, default=0, help="durable checkpoint period")
+    p.add_argument(
+        "--stop-file",
+        type=Path,
+        help="JSON {'stop_at_step': N} written by the launcher: train until step N, then exit",
+    )
+    p.add_argument("--max-steps", type=int, default=1_000_000, help="hard cap on steps")
+    return p.parse_args(argv)
+
+
+class EventLog:
+    """Appends one JSON object per line; each line is written with a single write call."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        self._file.flush()
+
+
+def _stop_at(stop_file: Path | None) -> int:
+    if stop_file is None:
+        return -1
+    try:
+        return int(json.loads(stop_file.read_text())["stop_at_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {args.replica_id}/{args.rank} %(message)s"
+    )
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    token = load_token(path=args.token_file).value
+    dataset = CharDataset()
+    model = build_model(TinyGPTConfig(vocab_size=dataset.vocab_size), seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    group = ReplicaGroup.init(
+        rank=args.rank,
+        world_size=args.world_size,
+        init_method=args.init_method or "",
+        timeout=timedelta(seconds=60),
+    )
+    events = (
+        EventLog(args.run_dir / "replicas" / f"{args.replica_id}.jsonl")
+        if group.is_leader
+        else None
+    )
+
+    def on_commit(outcome: StepOutcome) -> None:
+        if events is not None:
+            events.write(
+                "commit",
+                replica=args.replica_id,
+                step=outcome.step,
+                quorum_id=outcome.quorum_id,
+                healthy=list(outcome.healthy),
+                recovered=outcome.recovered,
+                trained={r: list(span) for r, span in outcome.trained.items()},
+                loss=None if outcome.recovered else last_loss,
+                tokens=0 if outcome.recovered else spec.samples_per_step * dataset.block_size,
+                attempts=outcome.attempts,
+                seconds=outcome.seconds,
+            )
+
+    spec = ShardSpec(
+        replica_index=args.replica_index,
+        total_replicas=args.total_replicas,
+        rank=args.rank,
+        world_size=args.world_size,
+        micro_batch=args.micro_batch,
+    )
+    manager = Manager(
+        config=ManagerConfig(
+            job_id=args.job,
+            replica_id=args.replica_id,
+            replica_index=args.replica_index,
+            total_replicas=args.total_replicas,
+            quorum_address=args.quorum,
+            checkpoint_url=args.checkpoint_url,
+            token=token,
+            shm_dir=args.shm_dir,
+            durable_every_steps=args.durable_every_steps,
+        ),
+        model=model,
+        optimizer=optimizer,
+        group=group,
+        samples_per_step=spec.samples_per_step,
+        on_commit=on_commit,
+        faults=FaultPlan.from_env(args.replica_id, args.rank),
+    )
+    loader = ExactlyOnceLoader(
+        spec=spec,
+        replica_id=args.replica_id,
+        positions=lambda: manager.positions,
+        sample=dataset.sample,
+        collate=dataset.collate,
+    )
+    if events is not None:
+        events.write("start", replica=args.replica_id, step=manager.step, pid=os.getpid())
+    terminate = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal terminate
+        terminate = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    last_loss: float | None = None
+    while manager.step < args.max_steps and not terminate:
+        stop = group.broadcast_bytes(
+            str(_stop_at(args.stop_file)).encode() if group.is_leader else None
+        )
+        if 0 <= int(stop) <= manager.step:
+            break
+        manager.start_step()
+        (x, y), _ids = loader.next_batch()
+        _, loss = model(x, y)
+        assert loss is not None
+        loss.backward()
+        last_loss = float(loss.item())
+        manager.finish_step()
+    if events is not None:
+        events.write(
+            "final", replica=args.replica_id, step=manager.step, fingerprint=manager.fingerprint()
+        )
+    manager.shutdown()
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""The sidecar's HTTP wire (FastAPI): routes ↔ domain objects, one error table, auth, metrics.
+
+Everything under /v1 needs the bearer token; /livez, /readyz, /metrics and the OpenAPI pages do
+not (probes and scrapers carry no secrets, and they reveal nothing about the state). Bodies are
+bounded by Content-Length before they are read; every domain error maps through `ERROR_STATUS` to
+a JSON `{"error", "detail"}` body; anything unexpected is a 500 without a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.checkpoint.client_errors import (
+    CheckpointError,
+    ConflictError,
+    CorruptionError,
+    GoneError,
+    InvalidArgumentError,
+    NotFoundError,
+    NotReadyError,
+    PayloadTooLargeError,
+    RangeNotSatisfiableError,
+    SourcesDisagreeError,
+    SourceUnavailableError,
+    UnauthorizedError,
+)
+from services.checkpoint.client_manifest import (
+    ID_PATTERN,
+    MAX_DIMS,
+    MAX_STEP,
+    MAX_TENSORS,
+    Manifest,
+    TensorEntry,
+    check_id,
+    check_rank,
+)
+from services.checkpoint.config import CheckpointConfig
+from services.checkpoint.core import PositionRecord, check_position, parse_range
+from services.checkpoint.durable import DurableStore, DurableWriter
+from services.checkpoint.snapshots import SnapshotRegistry
+from services.checkpoint.store import PositionStore
+from services.common.tokens import Token
+
+log = logging.getLogger(__name__)
+
+ERROR_STATUS: dict[type[CheckpointError], int] = {
+    InvalidArgumentError: 400,
+    UnauthorizedError: 401,
+    NotFoundError: 404,
+    GoneError: 410,
+    ConflictError: 409,
+    PayloadTooLargeError: 413,
+    RangeNotSatisfiableError: 416,
+    CorruptionError: 500,
+    SourcesDisagreeError: 500,
+    SourceUnavailableError: 502,
+    NotReadyError: 503,
+    CheckpointError: 500,
+}
+"""The one table from domain errors to HTTP statuses (the most specific class wins)."""
+
+
+def status_of(error: CheckpointError) -> int:
+    for cls in type(error).__mro__:
+        if cls in ERROR_STATUS:
+            return ERROR_STATUS[cls]
+    return 500
+
+
+def error_response(status: int, code: str, detail: str) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+class Metrics:
+    """The sidecar's Prometheus metrics, in a registry of its own (one per app instance)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fthsdp_checkpoint_requests_total",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "fthsdp_checkpoint_request_seconds",
+            "HTTP request latency by route",
+            ["route"],
+            registry=r,
+        )
+        self.served_bytes = Counter(
+            "fthsdp_checkpoint_served_bytes_total", "Snapshot and checkpoint bytes sent", registry=r
+        )
+        self.registered = Counter(
+            "fthsdp_checkpoint_snapshots_registered_total", "Snapshots registered", registry=r
+        )
+        self.checksum_seconds = Histogram(
+            "fthsdp_checkpoint_checksum_seconds", "Time to checksum one snapshot", registry=r
+        )
+        self.durable_writes = Counter(
+            "fthsdp_checkpoint_durable_writes_total",
+            "Durable rank writes by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.durable_seconds = Histogram(
+            "fthsdp_checkpoint_durable_write_seconds",
+            "Time to persist one rank durably",
+            registry=r,
+        )
+        self.positions = Counter(
+            "fthsdp_checkpoint_positions_recorded_total", "Data positions recorded", registry=r
+        )
+
+    def on_durable(self, outcome: str, seconds: float) -> None:
+        self.durable_writes.labels(outcome).inc()
+        self.durable_seconds.observe(seconds)
+
+
+@dataclass(slots=True)
+class Services:
+    """What the routes work on; owned and closed by `server.CheckpointServer`."""
+
+    config: CheckpointConfig
+    token: Token
+    registry: SnapshotRegistry
+    durable: DurableStore
+    writer: DurableWriter
+    positions: PositionStore
+    metrics: Metrics
+    ready: bool = field(default=True)
+
+
+class GuardMiddleware:
+    """Pure ASGI (so streaming stays cheap): auth on /v1, body bound, request metrics."""
+
+    def __init__(self, app: ASGIApp, services: Services) -> None:
+        self.app = app
+        self.services = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refuse(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            self._count(scope, refusal.status_code, 0.0)
+            return
+        status = [500]
+
+        async def send_and_note(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            await self.app(scope, self._bounded(receive), send_and_note)
+        finally:
+            self._count(scope, status[0], loop.time() - start)
+
+    def _refuse(self, scope: Scope) -> JSONResponse | None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["path"].startswith("/v1/") and not self.services.token.accepts(
+            headers.get("authorization")
+        ):
+            return error_response(401, "unauthorized", "missing or wrong bearer token")
+        length = headers.get("content-length")
+        limit = self.services.config.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return error_response(413, "too_large", f"request bodies are limited to {limit} bytes")
+        return None
+
+    def _bounded(self, receive: Receive) -> Receive:
+        limit, seen = self.services.config.max_body_bytes, [0]
+
+        async def bounded() -> Message:
+            message = await receive()
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > limit:
+                raise PayloadTooLargeError(f"request bodies are limited to {limit} bytes")
+            return message
+
+        return bounded
+
+    def _count(self, scope: Scope, status: int, seconds: float) -> None:
+        endpoint = scope.get("endpoint")
+        route = getattr(endpoint, "__name__", "unmatched")
+        self.services.metrics.requests.labels(route, str(status)).inc()
+        self.services.metrics.request_seconds.labels(route).observe(seconds)
+
+
+Job = Annotated[str, Path(pattern=ID_PATTERN, max_length=64)]
+Replica = Annotated[str, Path(pattern=ID_PATTERN, max_length=64)]
+Rank = Annotated[int, Path(ge=0, lt=2**20)]
+Step = Annotated[int, Path(ge=0, le=MAX_STEP)]
+
+
+class TensorModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=512)
+    dtype: str = Field(max_length=16)
+    shape: list[StrictInt] = Field(max_length=MAX_DIMS)
+    offset: StrictInt
+    nbytes: StrictInt
+
+
+class RegisterBody(BaseModel):
+    """A snapshot registration: a plain file name in the sidecar's shm dir and its layout."""
+
+    model_config = ConfigDict(extra="forbid")
+    file: str = Field(max_length=255)
+    total_bytes: StrictInt = Field(ge=0)
+    tensors: list[TensorModel] = Field(max_length=MAX_TENSORS)
+    meta: dict[str, StrictStr | StrictInt] = Field(default_factory=dict, max_length=64)
+
+
+class DurableBody(BaseModel):
+    """Persist (job, replica, rank, step), an already-published snapshot, as rank of world_size."""
+
+    model_config = ConfigDict(extra="forbid")
+    job: str = Field(pattern=ID_PATTERN, max_length=64)
+    replica: str = Field(pattern=ID_PATTERN, max_length=64)
+    rank: int = Field(ge=0, lt=2**20)
+    step: int = Field(ge=0, le=MAX_STEP)
+    world_size: int = Field(ge=1, le=2**20)
+
+
+class PositionBody(BaseModel):
+    """A data position committed with `step` (at most 64 keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=0, le=MAX_STEP)
+    position: dict[str, StrictInt] = Field(max_length=64)
+
+
+def create_app(services: Services) -> FastAPI:
+    """The FastAPI app over `services`."""
+    app = FastAPI(
+        title="fthsdp checkpoint sidecar",
+        version="1",
+        description="Serves peer snapshots, writes durable checkpoints, records data positions.",
+    )
+    _install_error_handlers(app)
+    _health_routes(app, services)
+    _snapshot_routes(app, services)
+    _checkpoint_routes(app, services)
+    _position_routes(app, services)
+    app.add_middleware(GuardMiddleware, services=services)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def domain(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, CheckpointError)
+        return error_response(status_of(exc), exc.code, str(exc))
+
+    async def invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        parts = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+            for e in exc.errors()[:5]
+        ]
+        return error_response(400, "invalid_argument", "; ".join(parts))
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    async def unknown(_: Request, exc: Exception) -> Response:
+        log.error("unhandled error: %s", type(exc).__name__, exc_info=exc)
+        return error_response(500, "internal", "internal error")
+
+    app.add_exception_handler(CheckpointError, domain)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unknown)
+
+
+def _health_routes(app: FastAPI, services: Services) -> None:
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if not services.ready:
+            return error_response(503, "not_ready", "draining")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _checksummed(services: Services, snap_future: Any) -> None:
+    try:
+        await asyncio.wait_for(
+            asyncio.shield(asyncio.wrap_future(snap_future)),
+            services.config.checksum_wait.total_seconds(),
+        )
+    except (TimeoutError, asyncio.CancelledError) as exc:
+        raise NotReadyError("checksums are still being computed; retry") from exc
+
+
+def _data_response(
+    services: Services, data: memoryview, total: int, range_header: str | None
+) -> StreamingResponse:
+    start, stop = parse_range(range_header, total, services.config.max_range_bytes)
+    piece = services.config.stream_bytes
+    served = services.metrics.served_bytes
+
+    async def body() -> AsyncIterator[memoryview]:
+        for at in range(start, stop, piece):
+            end = min(at + piece, stop)
+            served.inc(end - at)
+            yield data[at:end]
+
+    headers = {"content-length": str(stop - start), "accept-ranges": "bytes"}
+    status = 200 if range_header is None else 206
+    if status == 206:
+        headers["content-range"] = f"bytes {start}-{stop - 1}/{total}"
+    return StreamingResponse(
+        body(), status_code=status, headers=headers, media_type="application/octet-stream"
+    )
+
+
+def _ids(job: str, replica: str | None = None) -> tuple[str, str]:
+    """Path ids checked beyond the route pattern (which cannot express "no '..'")."""
+    return check_id("job", job), "" if replica is None else check_id("replica", replica)
+
+
+def _snapshot_routes(app: FastAPI, services: Services) -> None:
+    registry = services.registry
+
+    @app.post("/v1/snapshots/{job}/{replica}/{rank}/{step}", status_code=201)
+    def register_snapshot(
+        job: Job, replica: Replica, rank: Rank, step: Step, body: RegisterBody
+    ) -> Response:
+        tensors = [
+            TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in body.tensors
+        ]
+        _, created = registry.register(
+            job,
+            replica,
+            rank,
+            step,
+            file=body.file,
+            total_bytes=body.total_bytes,
+            tensors=tensors,
+            meta=dict(body.meta),
+        )
+        if created:
+            services.metrics.registered.inc()
+        answer = {"job": job, "replica": replica, "rank": rank, "step": step, "created": created}
+        return JSONResponse(answer, status_code=201 if created else 200)
+
+    @app.get("/v1/snapshots/{job}/{replica}/{rank}")
+    def list_snapshot_steps(job: Job, replica: Replica, rank: Rank) -> dict[str, list[int]]:
+        _ids(job, replica)
+        return {"steps": registry.steps(job, replica, rank)}
+
+    @app.get("/v1/snapshots/{job}/{replica}/{rank}/{step}/manifest")
+    async def snapshot_manifest(
+        job: Job, replica: Replica, rank: Rank, step: Step
+    ) -> dict[str, Any]:
+        snap = registry.get(*_ids(job, replica), rank, step)
+        await _checksummed(services, snap.checksums)
+        return snap.manifest().to_json()
+
+    @app.get("/v1/snapshots/{job}/{replica}/{rank}/{step}/data")
+    async def snapshot_data(
+        job: Job, replica: Replica, rank: Rank, step: Step, request: Request
+    ) -> Response:
+        snap = registry.get(*_ids(job, replica), rank, step)
+        return _data_response(
+            services, snap.data, snap.layout.total_bytes, request.headers.get("range")
+        )
+
+
+def _checkpoint_routes(app: FastAPI, services: Services) -> None:
+    durable, writer = services.durable, services.writer
+
+    @app.post("/v1/checkpoints", status_code=202)
+    def request_checkpoint(body: DurableBody) -> Response:
+        check_rank(body.rank, body.world_size)
+        snap = services.registry.get(check_id("job", body.job), body.replica, body.rank, body.step)
+
+        def manifest() -> Manifest:
+            return snap.manifest(world_size=body.world_size)
+
+        status = writer.submit((body.job, body.step, body.rank), manifest, snap.data)
+        return JSONResponse({"state": status.state, "detail": status.detail}, status_code=202)
+
+    @app.get("/v1/checkpoints/{job}/latest")
+    def latest_checkpoint(
+        job: Job, world_size: Annotated[int | None, Query(ge=1, le=2**20)] = None
+    ) -> dict[str, Any]:
+        step, why = durable.latest(_ids(job)[0], world_size)
+        if step is None:
+            raise NotFoundError(f"no restorable checkpoint of {job}: {why}")
+        return {"step": step, "reason": why}
+
+    @app.get("/v1/checkpoints/{job}/{step}/{rank}/status")
+    def checkpoint_status(job: Job, step: Step, rank: Rank) -> dict[str, str]:
+        status = writer.status((_ids(job)[0], step, rank))
+        return {"state": status.state, "detail": status.detail}
+
+    @app.get("/v1/checkpoints/{job}/{step}/{rank}/manifest")
+    def checkpoint_manifest(job: Job, step: Step, rank: Rank) -> dict[str, Any]:
+        return durable.read_manifest(_ids(job)[0], step, rank).to_json()
+
+    @app.get("/v1/checkpoints/{job}/{step}/{rank}/data")
+    def checkpoint_data(job: Job, step: Step, rank: Rank, request: Request) -> Response:
+        manifest, data = durable.open_data(_ids(job)[0], step, rank)
+        return _data_response(
+            services, data, manifest.layout.total_bytes, request.headers.get("range")
+        )
+
+
+def _position_routes(app: FastAPI, services: Services) -> None:
+    positions = services.positions
+
+    @app.put("/v1/positions/{job}/{replica}")
+    def put_position(job: Job, replica: Replica, body: PositionBody) -> dict[str, int]:
+        record = PositionRecord(body.step, check_position(body.position))
+        positions.append(check_id("job", job), check_id("replica", replica), record)
+        services.metrics.positions.inc()
+        return {"step": body.step}
+
+    @app.get("/v1/positions/{job}/{replica}")
+    def get_position(
+        job: Job, replica: Replica, at_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None
+    ) -> dict[str, Any]:
+        record = positions.at(check_id("job", job), check_id("replica", replica), at_step)
+        if record is None:
+            where = "" if at_step is None else f" at or before step {at_step}"
+            raise NotFoundError(f"no data position for {job}/{replica}{where}")
+        return {"step": record.step, "position": record.position}

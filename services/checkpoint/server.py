@@ -1,0 +1,136 @@
+"""The embeddable checkpoint sidecar: `CheckpointServer(config, token).start()` → its URL.
+
+uvicorn runs on its own event loop in a background thread, bound to a socket made here (port 0
+allowed), so tests and `__main__` use the same object and the real address is known before the
+first request. `stop()` is idempotent: not ready → stop accepting → drain open requests and queued
+durable writes for the grace period → cancel; then the shm files the sidecar owns are unlinked."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from services.checkpoint.app import Metrics, Services, create_app
+from services.checkpoint.config import CheckpointConfig
+from services.checkpoint.durable import DurableStore, DurableWriter
+from services.checkpoint.snapshots import SnapshotRegistry
+from services.checkpoint.store import FilePositionStore, PositionStore
+from services.common.tokens import Token
+
+log = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 30.0
+
+
+class CheckpointServer:
+    """One sidecar: snapshot registry, durable writer, position store and the HTTP server."""
+
+    def __init__(
+        self, config: CheckpointConfig, token: Token, *, positions: PositionStore | None = None
+    ) -> None:
+        self.config = config
+        metrics = Metrics()
+        registry = SnapshotRegistry(config, on_checksums=metrics.checksum_seconds.observe)
+        store = DurableStore(
+            config.durable_root,
+            retain=config.retain_checkpoints,
+            max_bytes=config.max_snapshot_bytes,
+        )
+        self.services = Services(
+            config=config,
+            token=token,
+            registry=registry,
+            durable=store,
+            writer=DurableWriter(store, metrics.on_durable),
+            positions=positions or FilePositionStore(config.durable_root / "positions"),
+            metrics=metrics,
+        )
+        self.app = create_app(self.services)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._address: tuple[str, int] | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._address is None:
+            raise RuntimeError("the checkpoint server is not started")
+        return self._address
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def start(self) -> str:
+        """Binds, starts serving in a background thread, and returns the base URL."""
+        with self._lock:
+            if self._stopped or self._thread is not None:
+                raise RuntimeError("a CheckpointServer starts once")
+            self.config.shm_dir.mkdir(parents=True, exist_ok=True)
+            self.config.durable_root.mkdir(parents=True, exist_ok=True)
+            sock = _bind(self.config.host, self.config.port)
+            self._address = sock.getsockname()[:2]
+            uv_config = uvicorn.Config(
+                self.app,
+                log_level=self.config.log_level,
+                access_log=False,
+                lifespan="off",
+                http="h11",
+                ws="none",
+                timeout_graceful_shutdown=max(int(self.config.shutdown_grace.total_seconds()), 1),
+            )
+            server = uvicorn.Server(uv_config)
+            self._server = server
+            self._thread = threading.Thread(
+                target=lambda: asyncio.run(server.serve(sockets=[sock])),
+                name="fthsdp-checkpoint-http",
+                daemon=True,
+            )
+            self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the checkpoint server failed to start")
+            time.sleep(0.005)
+        log.info("checkpoint sidecar serving on %s", self.url)
+        return self.url
+
+    def stop(self) -> None:
+        """Drains and stops; safe to call any number of times, started or not."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        services = self.services
+        services.ready = False
+        grace = self.config.shutdown_grace.total_seconds()
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(grace + 5.0)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(5.0)
+        services.writer.close(grace)
+        services.registry.close()
+        services.positions.close()
+        log.info("checkpoint sidecar stopped")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

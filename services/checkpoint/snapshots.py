@@ -1,0 +1,209 @@
+"""The sidecar's published snapshots: shm files it owns, checksums computed off the training path.
+
+A registration names a plain file in the configured shm dir; the sidecar opens it without following
+links, checks its size against the declared layout, maps it read-only and queues the checksum job
+on its own threads, then answers at once. The snapshot is immutable from then on. Retention unlinks
+older files; a mapping still being served or persisted stays valid until its last user drops it."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import stat
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from services.checkpoint.client_errors import (
+    ConflictError,
+    GoneError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from services.checkpoint.client_manifest import (
+    Layout,
+    Manifest,
+    TensorEntry,
+    check_id,
+    check_meta,
+    check_rank,
+    check_step,
+)
+from services.checkpoint.config import CheckpointConfig
+from services.checkpoint.core import steps_to_collect
+
+log = logging.getLogger(__name__)
+
+_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,254}$")
+Key = tuple[str, str, int]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One registered snapshot: its mapping, layout and (eventually) its chunk checksums."""
+
+    job: str
+    replica: str
+    rank: int
+    step: int
+    file: str
+    layout: Layout
+    meta: dict[str, str | int]
+    chunk_bytes: int
+    data: memoryview
+    checksums: Future[tuple[int, ...]] = field(default_factory=Future)
+
+    def manifest(self, world_size: int | None = None) -> Manifest:
+        """The manifest; only call once `checksums` is done."""
+        return Manifest(
+            job=self.job,
+            replica=self.replica,
+            rank=self.rank,
+            step=self.step,
+            world_size=world_size,
+            layout=self.layout,
+            chunk_bytes=self.chunk_bytes,
+            checksums=self.checksums.result(),
+            meta=self.meta,
+        )
+
+
+def compute_checksums(data: memoryview, chunk_bytes: int) -> tuple[int, ...]:
+    return tuple(zlib.crc32(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+
+
+class SnapshotRegistry:
+    """Registered snapshots by (job, replica, rank) and step, with retention."""
+
+    def __init__(
+        self, config: CheckpointConfig, on_checksums: Callable[[float], None] | None = None
+    ) -> None:
+        self.config = config
+        self._on_checksums = on_checksums
+        self._lock = threading.Lock()
+        self._snapshots: dict[Key, dict[int, Snapshot]] = {}
+        self._collected_upto: dict[Key, int] = {}
+        self._pool = ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="fthsdp-crc")
+        self.collected = 0
+
+    def register(
+        self,
+        job: str,
+        replica: str,
+        rank: int,
+        step: int,
+        *,
+        file: str,
+        total_bytes: int,
+        tensors: Sequence[TensorEntry],
+        meta: dict[str, str | int],
+    ) -> tuple[Snapshot, bool]:
+        """Adopts the shm file as snapshot `step`; returns it and whether it is new.
+
+        Registering the same file again is a no-op (a retried request); another file for a
+        published step is a ConflictError, a step older than those retained a GoneError."""
+        key = (check_id("job", job), check_id("replica", replica), check_rank(rank))
+        check_step(step)
+        layout = Layout(tuple(tensors), total_bytes)
+        layout.check(self.config.max_snapshot_bytes)
+        clean_meta = check_meta(meta)
+        with self._lock:
+            existing = self._snapshots.get(key, {}).get(step)
+            if existing is not None:
+                if existing.file == file:
+                    return existing, False
+                raise ConflictError(f"step {step} of {key} is already published (immutable)")
+            if step <= self._collected_upto.get(key, -1):
+                raise GoneError(f"step {step} of {key} is older than the retained snapshots")
+        data = self._map(file, total_bytes)
+        snap = Snapshot(*key, step, file, layout, clean_meta, self.config.chunk_bytes, data)
+        with self._lock:
+            steps = self._snapshots.setdefault(key, {})
+            if step in steps:
+                raise ConflictError(f"step {step} of {key} is already published (immutable)")
+            steps[step] = snap
+            doomed = [steps.pop(s) for s in steps_to_collect(steps, self.config.retain_snapshots)]
+            for old in doomed:
+                self._collected_upto[key] = max(self._collected_upto.get(key, -1), old.step)
+        for old in doomed:
+            self._unlink(old)
+        if snap in doomed:
+            raise GoneError(f"step {step} of {key} is older than the retained snapshots")
+        self._pool.submit(self._checksum, snap)
+        return snap, True
+
+    def _map(self, file: str, total_bytes: int) -> memoryview:
+        if not _FILE.match(file) or ".." in file:
+            raise InvalidArgumentError("file must be a plain file name inside the shm dir")
+        try:
+            fd = os.open(self.config.shm_dir / file, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"cannot open {file!r} in the shm dir: {exc.strerror}"
+            ) from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgumentError(f"{file!r} is not a regular file")
+            if info.st_size != total_bytes:
+                raise InvalidArgumentError(
+                    f"{file!r} has {info.st_size} bytes, the layout declares {total_bytes}"
+                )
+            if total_bytes == 0:
+                return memoryview(b"")
+            # No MAP_POPULATE here: faulting pages in would delay the registration answer; the
+            # checksum pass touches every page anyway, off the publisher's path.
+            return memoryview(mmap.mmap(fd, total_bytes, access=mmap.ACCESS_READ))
+        finally:
+            os.close(fd)
+
+    def _checksum(self, snap: Snapshot) -> None:
+        start = time.perf_counter()
+        try:
+            snap.checksums.set_result(compute_checksums(snap.data, snap.chunk_bytes))
+        except BaseException as exc:
+            log.exception("checksums of %s step %d failed", snap.file, snap.step)
+            snap.checksums.set_exception(exc)
+            return
+        if self._on_checksums is not None:
+            self._on_checksums(time.perf_counter() - start)
+
+    def _unlink(self, snap: Snapshot) -> None:
+        self.collected += 1
+        try:
+            os.unlink(self.config.shm_dir / snap.file)
+        except FileNotFoundError:
+            log.warning("snapshot file %s was already gone", snap.file)
+
+    def get(self, job: str, replica: str, rank: int, step: int) -> Snapshot:
+        key = (job, replica, rank)
+        with self._lock:
+            snap = self._snapshots.get(key, {}).get(step)
+            if snap is not None:
+                return snap
+            if step <= self._collected_upto.get(key, -1):
+                raise GoneError(
+                    f"step {step} of {job}/{replica}/rank {rank} was garbage-collected; "
+                    f"available: {sorted(self._snapshots.get(key, {}))}"
+                )
+        raise NotFoundError(f"no snapshot of step {step} for {job}/{replica}/rank {rank}")
+
+    def steps(self, job: str, replica: str, rank: int) -> list[int]:
+        with self._lock:
+            return sorted(self._snapshots.get((job, replica, rank), {}))
+
+    def close(self) -> None:
+        """Stops the checksum threads and unlinks every file the sidecar owns."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            snaps = [s for steps in self._snapshots.values() for s in steps.values()]
+            self._snapshots.clear()
+        for snap in snaps:
+            if not snap.checksums.done():
+                snap.checksums.cancel()
+            self._unlink(snap)

@@ -1,0 +1,142 @@
+"""`python -m services.quorum` / `fthsdp-quorum`: run the quorum service.
+
+Flags carry units; each falls back to an `FTHSDP_QUORUM_*` environment variable, then to the
+`QuorumConfig` default (flag > env > default). This is the only module that reads the
+environment. SIGTERM or SIGINT drains gracefully; a second SIGINT exits at once."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from services.common.tokens import Token, load_token
+from services.quorum.config import QuorumConfig
+from services.quorum.server import SERVICE_NAME, QuorumServer
+
+log = logging.getLogger("services.quorum")
+
+ENV_PREFIX = "FTHSDP_QUORUM_"
+_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+    ("host", "host", str, "interface to bind (default 127.0.0.1)"),
+    ("port", "port", int, "gRPC port, 0 = any free port (default 7450)"),
+    ("admin-port", "admin_port", int, "HTTP port for /metrics /livez /readyz, 0 = any, -1 = off"),
+    ("min-replicas", "min_replicas", int, "smallest quorum (default 1)"),
+    ("join-timeout-ms", "join_timeout", int, "wait for live stragglers, ms (default 2000)"),
+    ("heartbeat-timeout-ms", "heartbeat_timeout", int, "evict after silence, ms (default 1000)"),
+    ("history-size", "history_size", int, "recent quorums kept for Status (default 128)"),
+    ("shutdown-grace-ms", "shutdown_grace", int, "drain time on stop, ms (default 5000)"),
+)
+_MILLISECONDS = {"join_timeout", "heartbeat_timeout", "shutdown_grace"}
+
+
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every flag also reads FTHSDP_QUORUM_<FLAG> from the environment)."""
+    parser = argparse.ArgumentParser(
+        prog="fthsdp-quorum", description="fthsdp quorum service (gRPC fthsdp.v1.QuorumService)"
+    )
+    for flag, _, kind, text in _FLAGS:
+        parser.add_argument(
+            f"--{flag}", type=kind, default=None, help=f"{text} [env {_env_name(flag)}]"
+        )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the bearer token [env FTHSDP_TOKEN_FILE, "
+        "or the token itself in FTHSDP_TOKEN]",
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... [env FTHSDP_LOG_LEVEL]")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> QuorumConfig:
+    """QuorumConfig from flags, then FTHSDP_QUORUM_* variables, then defaults.
+
+    Raises ValueError (with the variable's name) for an unparsable environment value."""
+    values: dict[str, Any] = {}
+    for flag, field, kind, _ in _FLAGS:
+        raw: Any = getattr(args, flag.replace("-", "_"))
+        if raw is None:
+            name = _env_name(flag)
+            if env.get(name, "") != "":
+                try:
+                    raw = kind(env[name])
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if raw is None:
+            continue
+        if field in _MILLISECONDS:
+            raw = timedelta(milliseconds=raw)
+        if field == "admin_port" and raw < 0:
+            raw = None
+        values[field] = raw
+    return QuorumConfig(**values)
+
+
+async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
+    """Runs the server until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
+    server = QuorumServer(config, token)
+    await server.start()
+    print(_banner(server), file=out or sys.stdout, flush=True)
+    stop = asyncio.Event()
+    interrupts = 0
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                log.warning("second interrupt: exiting without draining")
+                os._exit(130)
+        log.info("signal %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def _banner(server: QuorumServer) -> str:
+    admin = f"http://{server.admin_address}/metrics" if server.admin_address else "off"
+    return (
+        f"fthsdp-quorum listening on {server.address} ({SERVICE_NAME}; admin {admin})\n"
+        f"  python: QuorumClient({server.address!r}, token).status()\n"
+        f'  grpcurl: grpcurl -plaintext -H "authorization: Bearer $FTHSDP_TOKEN" '
+        f"{server.address} {SERVICE_NAME}/Status"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script `fthsdp-quorum`."""
+    args = build_parser().parse_args(argv)
+    env = os.environ
+    logging.basicConfig(
+        level=(args.log_level or env.get("FTHSDP_LOG_LEVEL") or "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = resolve_config(args, env)
+        token = load_token(path=args.token_file, env=dict(env))
+    except (ValueError, OSError) as exc:
+        print(f"fthsdp-quorum: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config, token))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

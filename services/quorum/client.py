@@ -1,0 +1,508 @@
+"""Clients of the quorum service: `QuorumClient` (blocking, thread-safe) and `AsyncQuorumClient`.
+
+They hide gRPC: callers get domain objects (`Quorum`, `MembershipEvent`, `StatusSnapshot`) and
+typed errors rooted in `QuorumError` (`QuorumTimeoutError` is also a `TimeoutError`). Every RPC has
+a deadline; UNAVAILABLE (service down, restarting, draining) is retried with exponential backoff
+and full jitter within an overall budget.
+
+`quorum()` is retry-safe: each logical call carries a random `attempt_id`, reused by its
+transport retries, so a retry after a lost answer gets that same answer, and a retry of a call
+still waiting simply takes its place in the round. Members' rank endpoints travel only when the
+quorum id changes; the client caches them by quorum id and always returns complete members."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, cast
+
+import grpc
+
+from protos import quorum_pb2 as pb
+from protos import quorum_pb2_grpc as pb_grpc
+from services.common.backoff import Backoff, sleep_before_retry
+from services.common.tokens import Token
+from services.quorum import client_codec as codec
+from services.quorum.client_types import (
+    AuthError,
+    EventKind,
+    InternalError,
+    InvalidRequestError,
+    Member,
+    MembershipEvent,
+    MemberStatus,
+    Quorum,
+    QuorumError,
+    QuorumSummary,
+    QuorumTimeoutError,
+    QuorumUnavailableError,
+    RankEndpoint,
+    StaleIncarnationError,
+    StatusSnapshot,
+    SupersededRequestError,
+    UnknownReplicaError,
+    WorldSizeMismatchError,
+)
+
+__all__ = [
+    "AsyncQuorumClient",
+    "AsyncWatchStream",
+    "AuthError",
+    "EventKind",
+    "InternalError",
+    "InvalidRequestError",
+    "Member",
+    "MemberStatus",
+    "MembershipEvent",
+    "Quorum",
+    "QuorumClient",
+    "QuorumDecodeCache",
+    "QuorumError",
+    "QuorumSummary",
+    "QuorumTimeoutError",
+    "QuorumUnavailableError",
+    "RankEndpoint",
+    "StaleIncarnationError",
+    "StatusSnapshot",
+    "SupersededRequestError",
+    "UnknownReplicaError",
+    "WatchStream",
+    "WorldSizeMismatchError",
+]
+
+DEFAULT_RPC_TIMEOUT = timedelta(seconds=5)
+DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=30)
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    # Notice a dead service (or a dead client, on the server side) during a long poll.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # Reconnect quickly after a service restart; our own Backoff spaces the calls.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.enable_retries", 0),
+]
+
+
+def _translate(err: grpc.RpcError) -> QuorumError:
+    call = cast(grpc.Call, err)
+    kind = codec.error_kind(cast(Any, call.trailing_metadata()))
+    return codec.error_from_status(call.code(), call.details() or "", kind)
+
+
+def _new_attempt_id() -> int:
+    return random.getrandbits(63) | 1
+
+
+def _seconds(value: timedelta) -> float:
+    return value.total_seconds()
+
+
+class QuorumDecodeCache:
+    """Members' rank endpoints of the latest quorum id seen, and the last few decoded quorums
+    (thread-safe).
+
+    One per client by default. Clients in one process may share one (`decode_cache=`), e.g. when
+    a process emulates many replicas: every participant of a round gets the same bytes, so the
+    O(replicas) decode then happens once per round per process instead of once per client."""
+
+    _MEMO_SIZE = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._quorum_id = 0
+        self._ranks: Mapping[str, tuple[RankEndpoint, ...]] = {}
+        self._memo: dict[bytes, Quorum] = {}
+
+    @property
+    def known_quorum_id(self) -> int:
+        """The quorum id whose endpoints this cache holds (0: none)."""
+        with self._lock:
+            return self._quorum_id
+
+    def decode(self, msg: pb.QuorumResponse) -> Quorum | None:
+        """The complete quorum, or None when the message lacks endpoints we do not hold."""
+        key = msg.SerializeToString(deterministic=True)
+        with self._lock:
+            quorum = self._memo.get(key)
+            if quorum is not None:
+                return quorum
+            if msg.endpoints_included:
+                quorum = codec.quorum_from_pb(msg, None)
+                self._quorum_id = quorum.quorum_id
+                self._ranks = {m.replica_id: m.ranks for m in quorum.members}
+            elif msg.quorum_id == self._quorum_id:
+                try:
+                    quorum = codec.quorum_from_pb(msg, self._ranks)
+                except KeyError:
+                    return None
+            else:
+                return None
+            if len(self._memo) >= self._MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = quorum
+            return quorum
+
+
+def _join_request(replica_id: str, ranks: Sequence[RankEndpoint]) -> pb.JoinRequest:
+    return pb.JoinRequest(
+        replica_id=replica_id, world_size=len(ranks), ranks=codec.ranks_to_pb(ranks)
+    )
+
+
+def _quorum_request(
+    replica_id: str, incarnation: int, step: int, commit_failed: bool, known: int, attempt: int
+) -> pb.QuorumRequest:
+    return pb.QuorumRequest(
+        replica_id=replica_id,
+        incarnation=incarnation,
+        step=step,
+        commit_failed=commit_failed,
+        known_quorum_id=known,
+        attempt_id=attempt,
+    )
+
+
+def _report_request(
+    replica_id: str, reason: str, reporter: str, incarnation: int | None
+) -> pb.ReportFailureRequest:
+    request = pb.ReportFailureRequest(replica_id=replica_id, reason=reason, reporter=reporter)
+    if incarnation is not None:
+        request.incarnation = incarnation
+    return request
+
+
+# ---- blocking client ------------------------------------------------------------------------
+
+
+class WatchStream(Iterator[MembershipEvent]):
+    """A blocking iterator of membership events; `cancel()` (from any thread) ends it."""
+
+    def __init__(self, call: Any, forget: Any) -> None:
+        self._call = call
+        self._forget = forget
+        self._cancelled = False
+
+    def __iter__(self) -> WatchStream:
+        return self
+
+    def __next__(self) -> MembershipEvent:
+        try:
+            msg = next(self._call)
+        except StopIteration:
+            self._forget(self)
+            raise
+        except grpc.RpcError as err:
+            self._forget(self)
+            if self._cancelled:
+                raise StopIteration from None
+            raise _translate(err) from None
+        return codec.event_from_pb(msg)
+
+    def cancel(self) -> None:
+        """Ends the stream; a blocked `next()` returns StopIteration."""
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class QuorumClient:
+    """Blocking client of the quorum service; safe to share between threads."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | Token,
+        *,
+        rpc_timeout: timedelta = DEFAULT_RPC_TIMEOUT,
+        connect_timeout: timedelta = DEFAULT_CONNECT_TIMEOUT,
+        backoff: Backoff | None = None,
+        decode_cache: QuorumDecodeCache | None = None,
+    ) -> None:
+        """`rpc_timeout` bounds one attempt of a short RPC; `connect_timeout` bounds how long a
+        call keeps retrying while the service is unavailable."""
+        if rpc_timeout <= timedelta(0) or connect_timeout < timedelta(0):
+            raise ValueError("rpc_timeout must be positive and connect_timeout not negative")
+        secret = token if isinstance(token, Token) else Token(token)
+        self._metadata = (("authorization", secret.header()),)
+        self._rpc_timeout = _seconds(rpc_timeout)
+        self._connect_timeout = _seconds(connect_timeout)
+        self._backoff = backoff or Backoff()
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.QuorumServiceStub(self._channel)
+        self._endpoints = decode_cache or QuorumDecodeCache()
+        self._streams: set[WatchStream] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def join(self, replica_id: str, ranks: Sequence[RankEndpoint]) -> int:
+        """Registers this process start of the replica; returns its new incarnation."""
+        response = self._call(self._stub.Join, _join_request(replica_id, ranks))
+        return int(response.incarnation)
+
+    def quorum(
+        self,
+        replica_id: str,
+        incarnation: int,
+        step: int,
+        *,
+        commit_failed: bool = False,
+        timeout: timedelta,
+    ) -> Quorum:
+        """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
+        `timeout`."""
+        deadline = time.monotonic() + _seconds(timeout)
+        attempt = _new_attempt_id()
+        known = self._endpoints.known_quorum_id
+        while True:
+            request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
+            response = self._call(self._stub.Quorum, request, deadline=deadline)
+            quorum = self._endpoints.decode(response)
+            if quorum is not None:
+                return quorum
+            known = 0  # our cache moved on meanwhile: the same attempt again, with endpoints
+
+    def heartbeat(self, replica_id: str, incarnation: int) -> None:
+        """Tells the service the replica is alive."""
+        self._call(
+            self._stub.Heartbeat,
+            pb.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation),
+        )
+
+    def report_failure(
+        self, replica_id: str, reason: str, *, reporter: str, incarnation: int | None = None
+    ) -> bool:
+        """Evicts a replica at once; True if this report evicted it (False: already gone)."""
+        request = _report_request(replica_id, reason, reporter, incarnation)
+        return bool(self._call(self._stub.ReportFailure, request).evicted)
+
+    def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:
+        """Leaves gracefully."""
+        request = pb.LeaveRequest(replica_id=replica_id, incarnation=incarnation, reason=reason)
+        self._call(self._stub.Leave, request)
+
+    def status(self, history_limit: int = 0) -> StatusSnapshot:
+        """Membership with liveness, and recent quorums (all kept when `history_limit` is 0)."""
+        response = self._call(self._stub.Status, pb.StatusRequest(history_limit=history_limit))
+        return codec.status_from_pb(response)
+
+    def watch(self, *, timeout: timedelta | None = None) -> WatchStream:
+        """Membership events, the first being a `snapshot`; blocks between events. End it with
+        `cancel()` on the stream or `close()` on the client, from any thread."""
+        call = self._stub.Watch(
+            pb.WatchRequest(),
+            metadata=self._metadata,
+            timeout=None if timeout is None else _seconds(timeout),
+        )
+        stream = WatchStream(call, self._forget)
+        with self._lock:
+            if self._closed:
+                stream.cancel()
+            self._streams.add(stream)
+        return stream
+
+    def close(self) -> None:
+        """Cancels open Watch streams and closes the channel. Idempotent."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams)
+            self._streams.clear()
+        for stream in streams:
+            stream.cancel()
+        self._channel.close()
+
+    def __enter__(self) -> QuorumClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _forget(self, stream: WatchStream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def _call(self, method: Any, request: Any, *, deadline: float | None = None) -> Any:
+        """One RPC: per-attempt deadline; UNAVAILABLE retried with backoff until the budget."""
+        budget_end = deadline if deadline is not None else time.monotonic() + self._connect_timeout
+        delays = self._backoff.delays()
+        last: QuorumError = QuorumTimeoutError("the call's deadline passed")
+        while True:
+            attempt = self._rpc_timeout if deadline is None else deadline - time.monotonic()
+            if attempt <= 0:
+                raise last
+            try:
+                return method(request, timeout=attempt, metadata=self._metadata)
+            except grpc.RpcError as err:
+                last = _translate(err)
+                if not isinstance(last, QuorumUnavailableError):
+                    raise last from None
+                if not sleep_before_retry(delays, budget_end):
+                    raise last from None
+
+
+# ---- asyncio client -------------------------------------------------------------------------
+
+
+class AsyncWatchStream:
+    """An async iterator of membership events; `cancel()` ends it."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[MembershipEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[MembershipEvent]:
+        try:
+            async for msg in self._call:
+                yield codec.event_from_pb(msg)
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise
+        except grpc.RpcError as err:
+            if self._cancelled:
+                return
+            raise _translate(err) from None
+
+    def cancel(self) -> None:
+        """Ends the stream."""
+        self._cancelled = True
+        self._call.cancel()
+
+
+class AsyncQuorumClient:
+    """asyncio client of the quorum service (one event loop); same API as `QuorumClient`."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | Token,
+        *,
+        rpc_timeout: timedelta = DEFAULT_RPC_TIMEOUT,
+        connect_timeout: timedelta = DEFAULT_CONNECT_TIMEOUT,
+        backoff: Backoff | None = None,
+        channel: grpc.aio.Channel | None = None,
+        decode_cache: QuorumDecodeCache | None = None,
+    ) -> None:
+        """`channel` lets many clients share one connection (benchmarks); it is then not closed
+        by `close()`."""
+        if rpc_timeout <= timedelta(0) or connect_timeout < timedelta(0):
+            raise ValueError("rpc_timeout must be positive and connect_timeout not negative")
+        secret = token if isinstance(token, Token) else Token(token)
+        self._metadata = (("authorization", secret.header()),)
+        self._rpc_timeout = _seconds(rpc_timeout)
+        self._connect_timeout = _seconds(connect_timeout)
+        self._backoff = backoff or Backoff()
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.QuorumServiceStub(self._channel)
+        self._endpoints = decode_cache or QuorumDecodeCache()
+        self._streams: set[AsyncWatchStream] = set()
+
+    async def join(self, replica_id: str, ranks: Sequence[RankEndpoint]) -> int:
+        """Registers this process start of the replica; returns its new incarnation."""
+        response = await self._call(self._stub.Join, _join_request(replica_id, ranks))
+        return int(response.incarnation)
+
+    async def quorum(
+        self,
+        replica_id: str,
+        incarnation: int,
+        step: int,
+        *,
+        commit_failed: bool = False,
+        timeout: timedelta,
+    ) -> Quorum:
+        """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
+        `timeout`."""
+        deadline = time.monotonic() + _seconds(timeout)
+        attempt = _new_attempt_id()
+        known = self._endpoints.known_quorum_id
+        while True:
+            request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
+            response = await self._call(self._stub.Quorum, request, deadline=deadline)
+            quorum = self._endpoints.decode(response)
+            if quorum is not None:
+                return quorum
+            known = 0
+
+    async def heartbeat(self, replica_id: str, incarnation: int) -> None:
+        """Tells the service the replica is alive."""
+        await self._call(
+            self._stub.Heartbeat,
+            pb.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation),
+        )
+
+    async def report_failure(
+        self, replica_id: str, reason: str, *, reporter: str, incarnation: int | None = None
+    ) -> bool:
+        """Evicts a replica at once; True if this report evicted it (False: already gone)."""
+        request = _report_request(replica_id, reason, reporter, incarnation)
+        return bool((await self._call(self._stub.ReportFailure, request)).evicted)
+
+    async def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:
+        """Leaves gracefully."""
+        request = pb.LeaveRequest(replica_id=replica_id, incarnation=incarnation, reason=reason)
+        await self._call(self._stub.Leave, request)
+
+    async def status(self, history_limit: int = 0) -> StatusSnapshot:
+        """Membership with liveness, and recent quorums."""
+        response = await self._call(
+            self._stub.Status, pb.StatusRequest(history_limit=history_limit)
+        )
+        return codec.status_from_pb(response)
+
+    def watch(self, *, timeout: timedelta | None = None) -> AsyncWatchStream:
+        """Membership events, the first being a `snapshot`; end it with `cancel()` or `close()`."""
+        call = self._stub.Watch(
+            pb.WatchRequest(),
+            metadata=self._metadata,
+            timeout=None if timeout is None else _seconds(timeout),
+        )
+        stream = AsyncWatchStream(call)
+        self._streams.add(stream)
+        return stream
+
+    async def close(self) -> None:
+        """Cancels open Watch streams and closes the channel (if this client owns it)."""
+        for stream in list(self._streams):
+            stream.cancel()
+        self._streams.clear()
+        if self._owns_channel:
+            await self._channel.close(None)
+
+    async def __aenter__(self) -> AsyncQuorumClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any, *, deadline: float | None = None) -> Any:
+        budget_end = deadline if deadline is not None else time.monotonic() + self._connect_timeout
+        delays = self._backoff.delays()
+        last: QuorumError = QuorumTimeoutError("the call's deadline passed")
+        while True:
+            attempt = self._rpc_timeout if deadline is None else deadline - time.monotonic()
+            if attempt <= 0:
+                raise last
+            try:
+                return await method(request, timeout=attempt, metadata=self._metadata)
+            except grpc.RpcError as err:
+                last = _translate(err)
+                remaining = budget_end - time.monotonic()
+                if not isinstance(last, QuorumUnavailableError) or remaining <= 0:
+                    raise last from None
+                await asyncio.sleep(min(next(delays), remaining))

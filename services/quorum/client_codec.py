@@ -1,0 +1,252 @@
+"""Wire mapping of the quorum service: domain objects <-> `fthsdp.v1` messages, gRPC status <->
+typed errors. One module for both directions, so the server's encoding and the clients' decoding
+cannot drift apart (a `client*` module, so the worker may import it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
+
+import grpc
+
+from protos import quorum_pb2 as pb
+from services.quorum.client_types import (
+    AuthError,
+    EventKind,
+    InternalError,
+    InvalidRequestError,
+    Member,
+    MembershipEvent,
+    MemberStatus,
+    Quorum,
+    QuorumError,
+    QuorumSummary,
+    QuorumTimeoutError,
+    QuorumUnavailableError,
+    RankEndpoint,
+    StaleIncarnationError,
+    StatusSnapshot,
+    SupersededRequestError,
+    UnknownReplicaError,
+    WorldSizeMismatchError,
+)
+
+ERROR_KIND_KEY = "fthsdp-error-kind"
+"""Trailing metadata key naming the domain error behind a non-OK status."""
+
+_KIND_TO_ERROR: dict[str, type[QuorumError]] = {
+    "invalid_argument": InvalidRequestError,
+    "stale_incarnation": StaleIncarnationError,
+    "unknown_replica": UnknownReplicaError,
+    "world_size_mismatch": WorldSizeMismatchError,
+    "superseded": SupersededRequestError,
+}
+_CODE_TO_ERROR: dict[grpc.StatusCode, type[QuorumError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: StaleIncarnationError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: QuorumTimeoutError,
+    grpc.StatusCode.UNAVAILABLE: QuorumUnavailableError,
+    grpc.StatusCode.ABORTED: SupersededRequestError,
+}
+_EVENT_KINDS: dict[pb.EventKind.ValueType, EventKind] = {
+    pb.EVENT_KIND_SNAPSHOT: "snapshot",
+    pb.EVENT_KIND_JOINED: "joined",
+    pb.EVENT_KIND_LEFT: "left",
+    pb.EVENT_KIND_EVICTED: "evicted",
+    pb.EVENT_KIND_QUORUM: "quorum",
+}
+_EVENT_CODES: dict[EventKind, pb.EventKind.ValueType] = {v: k for k, v in _EVENT_KINDS.items()}
+
+
+def error_from_status(code: grpc.StatusCode, details: str, kind: str | None) -> QuorumError:
+    """The typed error a non-OK status stands for (the server names it in trailing metadata)."""
+    cls = _KIND_TO_ERROR.get(kind or "") or _CODE_TO_ERROR.get(code, InternalError)
+    return cls(details or code.name)
+
+
+def error_kind(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The error kind carried by trailing metadata, if any."""
+    for key, value in metadata or ():
+        if key == ERROR_KIND_KEY:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+# ---- endpoints ------------------------------------------------------------------------------
+
+
+def ranks_to_pb(ranks: Sequence[RankEndpoint]) -> list[pb.RankEndpoint]:
+    """Rank endpoints as messages."""
+    return [pb.RankEndpoint(ftar=r.ftar, checkpoint=r.checkpoint) for r in ranks]
+
+
+def ranks_from_pb(ranks: Sequence[pb.RankEndpoint]) -> tuple[RankEndpoint, ...]:
+    """Rank endpoints from messages."""
+    return tuple(RankEndpoint(ftar=r.ftar, checkpoint=r.checkpoint) for r in ranks)
+
+
+# ---- quorum ---------------------------------------------------------------------------------
+
+
+def quorum_to_pb(quorum: Quorum, *, endpoints: bool) -> pb.QuorumResponse:
+    """A quorum as sent to a participant; without rank endpoints when it already has them.
+
+    Sources travel as the index of each rank's first source in `healthy`: every source list is a
+    rotation of `healthy` (see `core.assign_sources`), so per step the message stays O(replicas +
+    recovering ranks), never O(recovering ranks x healthy)."""
+    index = {rid: i for i, rid in enumerate(quorum.healthy)} if quorum.sources else {}
+    return pb.QuorumResponse(
+        quorum_id=quorum.quorum_id,
+        max_step=quorum.max_step,
+        members=[
+            pb.QuorumMember(
+                replica_id=m.replica_id,
+                incarnation=m.incarnation,
+                step=m.step,
+                ranks=ranks_to_pb(m.ranks) if endpoints else (),
+            )
+            for m in quorum.members
+        ],
+        endpoints_included=endpoints,
+        recovering=[
+            pb.RecoveryAssignment(
+                replica_id=rid,
+                first_source=[index[per_rank[0]] for per_rank in quorum.sources[rid]],
+            )
+            for rid in sorted(quorum.sources)
+        ],
+        reason=quorum.reason,
+    )
+
+
+def quorum_from_pb(
+    msg: pb.QuorumResponse, known: Mapping[str, tuple[RankEndpoint, ...]] | None
+) -> Quorum:
+    """The domain quorum; when the message carries no endpoints they come from `known` (the
+    caller's cache for this quorum id). KeyError if a member is missing from `known`."""
+    members = tuple(
+        Member(
+            replica_id=m.replica_id,
+            incarnation=m.incarnation,
+            step=m.step,
+            ranks=ranks_from_pb(m.ranks) if msg.endpoints_included else (known or {})[m.replica_id],
+        )
+        for m in msg.members
+    )
+    healthy = tuple(m.replica_id for m in msg.members if m.step == msg.max_step)
+    rotations: dict[int, tuple[str, ...]] = {}
+    sources: dict[str, tuple[tuple[str, ...], ...]] = {}
+    for assignment in msg.recovering:
+        per_rank = []
+        for start in assignment.first_source:
+            if start >= len(healthy):
+                raise InternalError(f"source index {start} outside {len(healthy)} healthy replicas")
+            rotation = rotations.get(start)
+            if rotation is None:
+                rotation = rotations[start] = healthy[start:] + healthy[:start]
+            per_rank.append(rotation)
+        sources[assignment.replica_id] = tuple(per_rank)
+    return Quorum(
+        quorum_id=msg.quorum_id,
+        members=members,
+        max_step=msg.max_step,
+        healthy=healthy,
+        sources=MappingProxyType(sources),
+        reason=msg.reason,
+    )
+
+
+# ---- status and events ----------------------------------------------------------------------
+
+
+def status_to_pb(snapshot: StatusSnapshot) -> pb.StatusResponse:
+    """The service's state as a message."""
+    return pb.StatusResponse(
+        quorum_id=snapshot.quorum_id,
+        round=snapshot.round,
+        members=[
+            pb.MemberStatus(
+                replica_id=m.replica_id,
+                incarnation=m.incarnation,
+                world_size=m.world_size,
+                step=m.step,
+                live=m.live,
+                waiting=m.waiting,
+                last_seen_ms_ago=int(m.last_seen_ago.total_seconds() * 1000),
+                ranks=ranks_to_pb(m.ranks),
+            )
+            for m in snapshot.members
+        ],
+        history=[
+            pb.QuorumSummary(
+                quorum_id=h.quorum_id,
+                round=h.round,
+                members=h.members,
+                max_step=h.max_step,
+                healthy=h.healthy,
+                reason=h.reason,
+                formed_unix_ms=int(h.formed_at.timestamp() * 1000),
+            )
+            for h in snapshot.quorums
+        ],
+    )
+
+
+def status_from_pb(msg: pb.StatusResponse) -> StatusSnapshot:
+    """The service's state from a message."""
+    return StatusSnapshot(
+        quorum_id=msg.quorum_id,
+        round=msg.round,
+        members=tuple(
+            MemberStatus(
+                replica_id=m.replica_id,
+                incarnation=m.incarnation,
+                world_size=m.world_size,
+                step=m.step if m.HasField("step") else None,
+                live=m.live,
+                waiting=m.waiting,
+                last_seen_ago=timedelta(milliseconds=m.last_seen_ms_ago),
+                ranks=ranks_from_pb(m.ranks),
+            )
+            for m in msg.members
+        ),
+        quorums=tuple(
+            QuorumSummary(
+                quorum_id=h.quorum_id,
+                round=h.round,
+                members=tuple(h.members),
+                max_step=h.max_step,
+                healthy=tuple(h.healthy),
+                reason=h.reason,
+                formed_at=datetime.fromtimestamp(h.formed_unix_ms / 1000, tz=UTC),
+            )
+            for h in msg.history
+        ),
+    )
+
+
+def event_to_pb(event: MembershipEvent) -> pb.WatchResponse:
+    """A membership event as a message."""
+    return pb.WatchResponse(
+        kind=_EVENT_CODES[event.kind],
+        replica_id=event.replica_id or "",
+        quorum_id=event.quorum_id,
+        reason=event.reason,
+        members=event.members,
+    )
+
+
+def event_from_pb(msg: pb.WatchResponse) -> MembershipEvent:
+    """A membership event from a message (InternalError for an unknown kind)."""
+    kind = _EVENT_KINDS.get(msg.kind)
+    if kind is None:
+        raise InternalError(f"unknown event kind {msg.kind}")
+    return MembershipEvent(
+        kind=kind,
+        replica_id=msg.replica_id or None,
+        quorum_id=msg.quorum_id,
+        reason=msg.reason,
+        members=tuple(msg.members),
+    )

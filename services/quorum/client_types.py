@@ -1,0 +1,211 @@
+"""The quorum service's domain objects and errors, shared by the server, the core and the clients.
+
+They live in a `client*` module because the worker may import only the client modules of a service
+(DESIGN.md import rules); the server and core import them from here so there is one definition."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from types import MappingProxyType
+from typing import Literal
+
+EventKind = Literal["snapshot", "joined", "left", "evicted", "quorum"]
+
+_EMPTY_SOURCES: Mapping[str, tuple[tuple[str, ...], ...]] = MappingProxyType({})
+
+
+def _no_sources() -> Mapping[str, tuple[tuple[str, ...], ...]]:
+    return _EMPTY_SOURCES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankEndpoint:
+    """Where one rank of a replica can be reached."""
+
+    ftar: str
+    """FTAR data-plane address of the rank, `host:port`."""
+    checkpoint: str
+    """Base URL of the rank's checkpoint service, `http://host:port`."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Member:
+    """One replica of a quorum."""
+
+    replica_id: str
+    """Stable name of the replica."""
+    incarnation: int
+    """Which process start of the replica this is (grows on every Join)."""
+    step: int
+    """The step the replica asked a quorum for."""
+    ranks: tuple[RankEndpoint, ...]
+    """Per-rank endpoints, in rank order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Quorum:
+    """A formed quorum, identical for every member of its round."""
+
+    quorum_id: int
+    """Membership epoch: grows on every membership change or reported commit failure (I3)."""
+    members: tuple[Member, ...]
+    """Members sorted by replica_id: this order is the ring order."""
+    max_step: int
+    """Largest step among the members."""
+    healthy: tuple[str, ...]
+    """Replica ids at max_step, sorted: the contributors of this step's gradient."""
+    sources: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=_no_sources)
+    """Recovering replica id -> per rank -> healthy source replica ids in preference order."""
+    reason: str = ""
+    """Why the quorum formed (for logs)."""
+
+    def member(self, replica_id: str) -> Member:
+        """The member named `replica_id`; KeyError if it is not in the quorum."""
+        index = bisect.bisect_left(self.members, replica_id, key=lambda m: m.replica_id)
+        if index < len(self.members) and self.members[index].replica_id == replica_id:
+            return self.members[index]
+        raise KeyError(replica_id)
+
+    def is_member(self, replica_id: str) -> bool:
+        """Whether `replica_id` is in the quorum."""
+        try:
+            self.member(replica_id)
+        except KeyError:
+            return False
+        return True
+
+    def is_healthy(self, replica_id: str) -> bool:
+        """Whether `replica_id` is a member at max_step."""
+        index = bisect.bisect_left(self.healthy, replica_id)
+        return index < len(self.healthy) and self.healthy[index] == replica_id
+
+    @property
+    def num_healthy(self) -> int:
+        """How many members contribute gradients this step."""
+        return len(self.healthy)
+
+    @property
+    def recovering(self) -> tuple[str, ...]:
+        """Members behind max_step, sorted: they catch up from `sources`."""
+        return tuple(sorted(self.sources))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MembershipEvent:
+    """One change of membership, pushed by Watch."""
+
+    kind: EventKind
+    """`snapshot` (first event of a stream), `joined`, `left`, `evicted` or `quorum`."""
+    replica_id: str | None
+    """The replica concerned; None for `snapshot` and `quorum`."""
+    quorum_id: int
+    """The latest quorum id when the event happened."""
+    reason: str
+    """Why it happened."""
+    members: tuple[str, ...] = ()
+    """Registered replica ids after the event (for `quorum`: the quorum's members), sorted."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemberStatus:
+    """A registered replica as the service sees it."""
+
+    replica_id: str
+    """The replica."""
+    incarnation: int
+    """Its current incarnation."""
+    world_size: int
+    """Its number of ranks."""
+    step: int | None
+    """The last step it asked a quorum for; None if it never asked."""
+    live: bool
+    """Heard from within the heartbeat timeout, or waiting in the current round."""
+    waiting: bool
+    """Waiting in the current round."""
+    last_seen_ago: timedelta
+    """Time since it was last heard from."""
+    ranks: tuple[RankEndpoint, ...]
+    """Its per-rank endpoints."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuorumSummary:
+    """A quorum that formed, as kept in the service's history."""
+
+    quorum_id: int
+    """Its quorum id."""
+    round: int
+    """Formation counter (grows every round, even when the quorum id stays)."""
+    members: tuple[str, ...]
+    """Member replica ids, sorted."""
+    max_step: int
+    """Largest step among the members."""
+    healthy: tuple[str, ...]
+    """Members at max_step."""
+    reason: str
+    """Why it formed."""
+    formed_at: datetime
+    """Wall-clock time it formed (UTC)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatusSnapshot:
+    """The quorum service's state, for tooling."""
+
+    quorum_id: int
+    """The latest quorum id formed (0 if none)."""
+    round: int
+    """Formation counter of the latest round."""
+    members: tuple[MemberStatus, ...]
+    """Every registered replica, sorted by replica_id."""
+    quorums: tuple[QuorumSummary, ...]
+    """Recent quorums, oldest first."""
+
+
+# ---- errors: one root, so callers can catch everything the quorum service raises ------------
+
+
+class QuorumError(Exception):
+    """Root of every error the quorum service or its clients raise."""
+
+
+class InvalidRequestError(QuorumError, ValueError):
+    """The request is malformed (gRPC INVALID_ARGUMENT): fix the caller, retrying cannot help."""
+
+
+class StaleIncarnationError(QuorumError):
+    """The caller's incarnation is no longer current: superseded by a newer Join, evicted, or left
+    (gRPC FAILED_PRECONDITION). The replica must Join again."""
+
+
+class UnknownReplicaError(StaleIncarnationError):
+    """The service has no record of this replica or incarnation (never joined, or the service
+    restarted without a durable store). Like a stale incarnation: Join again."""
+
+
+class WorldSizeMismatchError(QuorumError):
+    """The joining replica's world size differs from the current members' (FAILED_PRECONDITION)."""
+
+
+class AuthError(QuorumError):
+    """The request carried no valid bearer token (gRPC UNAUTHENTICATED)."""
+
+
+class QuorumTimeoutError(QuorumError, TimeoutError):
+    """The call's deadline passed (for Quorum: no quorum including the caller formed in time)."""
+
+
+class QuorumUnavailableError(QuorumError, ConnectionError):
+    """The service could not be reached, or was shutting down, until the call's retry budget ran
+    out (gRPC UNAVAILABLE)."""
+
+
+class SupersededRequestError(QuorumError):
+    """A newer Quorum request of the same replica replaced this one (gRPC ABORTED)."""
+
+
+class InternalError(QuorumError):
+    """The service failed unexpectedly (gRPC INTERNAL or an unmapped status)."""

@@ -1,0 +1,55 @@
+"""Configuration of the quorum service (only `__main__` reads flags and the environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuorumConfig:
+    """How one quorum service behaves and where it listens."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless told otherwise (DESIGN.md security)."""
+    port: int = 7450
+    """gRPC port; 0 picks a free one (the bound address is `QuorumServer.address`)."""
+    admin_port: int | None = 7451
+    """HTTP port for /metrics, /livez, /readyz; 0 picks a free one; None runs no admin server."""
+    min_replicas: int = 1
+    """A quorum needs at least this many replicas (besides a majority of the live ones, I6)."""
+    join_timeout: timedelta = timedelta(seconds=2)
+    """How long a round waits for a live replica that has not asked yet, once a valid quorum is
+    waiting. It bounds how long healthy replicas wait on a straggler or a (re)joining replica (I4);
+    it never applies while the fast path holds (every member of the previous quorum asked).
+    2 s: longer than a normal step skew, far below the collective timeouts it replaces."""
+    heartbeat_timeout: timedelta = timedelta(seconds=1)
+    """A replica not heard from for this long (no heartbeat, no call, not waiting in a round) is
+    evicted. 1 s meets the detection target (failure -> new quorum <= 1 s after the last sign of
+    life); leaders beat every ~1/4 of it."""
+    history_size: int = 128
+    """How many recent quorums Status can return."""
+    watch_queue_size: int = 1024
+    """Events buffered per Watch stream; a subscriber that falls this far behind is dropped and
+    must re-subscribe (it gets a fresh snapshot)."""
+    shutdown_grace: timedelta = timedelta(seconds=5)
+    """On stop, how long in-flight RPCs may finish before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= MAX_PORT:
+            raise ValueError(f"port must be in 0..{MAX_PORT}, got {self.port}")
+        if self.admin_port is not None and not 0 <= self.admin_port <= MAX_PORT:
+            raise ValueError(f"admin_port must be in 0..{MAX_PORT}, got {self.admin_port}")
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        for name in ("join_timeout", "heartbeat_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+        if self.shutdown_grace < timedelta(0):
+            raise ValueError("shutdown_grace must not be negative")
+        if self.history_size < 1 or self.watch_queue_size < 1:
+            raise ValueError("history_size and watch_queue_size must be >= 1")

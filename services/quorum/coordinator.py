@@ -1,0 +1,554 @@
+"""The quorum service's behaviour on an asyncio loop, without any wire: rounds, timers, evictions,
+events. The gRPC layer (`server.py`) only converts messages and maps errors.
+
+Concurrency model: every state change runs synchronously on the event loop, between awaits, so
+no lock guards `CoreState`; the only awaits are store calls, after which preconditions are
+checked again. A round is evaluated on every arrival and when the core's `wake_at` timer fires
+(one `call_later` handle, re-armed only when the deadline moves); heartbeat expiry is a sleeping
+task that wakes at the earliest expiry. Nothing polls in a loop.
+
+A killed client's long-poll must not count forever: when its RPC is cancelled the waiter is
+dropped from the round at once (and the replica stays live only for the heartbeat timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from services.quorum import core
+from services.quorum.client_types import (
+    EventKind,
+    MembershipEvent,
+    MemberStatus,
+    QuorumSummary,
+    RankEndpoint,
+    StaleIncarnationError,
+    StatusSnapshot,
+    SupersededRequestError,
+    UnknownReplicaError,
+    WorldSizeMismatchError,
+)
+from services.quorum.config import QuorumConfig
+from services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
+from services.quorum.errors import InternalError, ShuttingDownError
+from services.quorum.metrics import QuorumMetrics
+from services.quorum.store import QuorumStore
+
+log = logging.getLogger(__name__)
+
+_TIMER_SLACK = 0.001  # fire just after a deadline, never just before it (no re-arm churn)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuorumAsk:
+    """A Quorum call as the coordinator sees it."""
+
+    replica_id: str
+    """The asking replica."""
+    incarnation: int
+    """Its incarnation."""
+    step: int
+    """The step it is about to train."""
+    commit_failed: bool = False
+    """Its previous attempt failed to commit."""
+    attempt_id: int = 0
+    """Client id of the logical call (0 = none); a retry with it gets the same answer."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundTiming:
+    """Server-side latency of one round."""
+
+    round: int
+    """Formation counter."""
+    participants: int
+    """How many replicas it answered."""
+    seconds: float
+    """From the round's last arrival (or the timer that formed it) to every participant answered."""
+
+
+class _Tally:
+    """Counts the participants of a formed round that still have to be answered."""
+
+    __slots__ = ("pending", "round", "size", "started")
+
+    def __init__(self, round_: int, started: float, size: int) -> None:
+        self.round = round_
+        self.started = started
+        self.size = size
+        self.pending = size
+
+
+class _Waiter:
+    __slots__ = ("arrived", "ask", "future", "tally")
+
+    def __init__(self, ask: QuorumAsk, future: asyncio.Future[Formation], arrived: float) -> None:
+        self.ask = ask
+        self.future = future
+        self.arrived = arrived
+        self.tally: _Tally | None = None
+
+
+class Subscription:
+    """One Watch stream's queue of events; `None` in the queue ends the stream."""
+
+    def __init__(self, size: int) -> None:
+        self.queue: asyncio.Queue[MembershipEvent | None] = asyncio.Queue(maxsize=size)
+        self.overflowed = False
+
+    def offer(self, event: MembershipEvent | None) -> None:
+        """Queues an event; a subscriber that fell `size` events behind is cut off."""
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)
+
+
+class Coordinator:
+    """Membership and rounds of one quorum service (single event loop)."""
+
+    def __init__(
+        self,
+        config: QuorumConfig,
+        store: QuorumStore,
+        *,
+        metrics: QuorumMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._metrics = metrics or QuorumMetrics()
+        self._clock = clock
+        self._wall = wall
+        self._state = CoreState()
+        self._waiters: dict[str, _Waiter] = {}
+        self._answered: dict[str, tuple[int, int, Formation]] = {}
+        self._subscribers: set[Subscription] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._store_lock = asyncio.Lock()
+        self._closing = False
+        self.round_timings: deque[RoundTiming] = deque(maxlen=4096)
+        """Recent server-side round latencies (benchmarks read them)."""
+
+    @property
+    def state(self) -> CoreState:
+        """The live state (read it; mutate only through the coordinator)."""
+        return self._state
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, *, sweep: bool = True) -> None:
+        """Restores epochs and membership from the store and starts the expiry task."""
+        last = await self._store.last_quorum()
+        self._state = CoreState(last=last)
+        now = self._clock()
+        for reg in await self._store.members():
+            self._state.register(reg, now)  # a fresh heartbeat timeout to show up
+        self._metrics.quorum_id.set(self._state.last_quorum_id)
+        self._metrics.members.set(len(self._state.registered))
+        if sweep:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="quorum-expiry")
+
+    async def close(self) -> None:
+        """Fails waiting calls with ShuttingDownError, ends Watch streams, stops timers."""
+        if self._closing:
+            return
+        self._closing = True
+        self._cancel_timer()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        waiters = list(self._waiters.values())
+        self._waiters.clear()
+        for waiter in waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(ShuttingDownError("the quorum service is stopping"))
+        for sub in list(self._subscribers):
+            sub.offer(None)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)
+
+    # ---- RPC behaviour ------------------------------------------------------------------------
+
+    async def join(
+        self, replica_id: str, world_size: int, ranks: Sequence[RankEndpoint]
+    ) -> tuple[int, int]:
+        """Registers a process start; returns (new incarnation, latest quorum id)."""
+        core.check_id(replica_id)
+        endpoints = core.check_ranks(world_size, ranks)
+        self._ensure_open()
+        self._check_world_size(replica_id, world_size)
+        incarnation = await self._store.next_incarnation(replica_id)
+        self._ensure_open()
+        self._check_world_size(replica_id, world_size)  # again: the store may have suspended
+        now = self._clock()
+        reg = Registration(
+            replica_id=replica_id, incarnation=incarnation, world_size=world_size, ranks=endpoints
+        )
+        old = self._state.register(reg, now)
+        if old is not None:
+            self._after_removal(
+                old,
+                kind="evicted",
+                cause="superseded",
+                reason=(f"superseded by incarnation {incarnation}"),
+            )
+        self._persist(self._store.put_member, reg)
+        self._metrics.joins.inc()
+        self._metrics.members.set(len(self._state.registered))
+        log.info(
+            "replica joined",
+            extra={"replica_id": replica_id, "incarnation": incarnation, "world_size": world_size},
+        )
+        self._emit("joined", replica_id, f"incarnation {incarnation}")
+        self._evaluate(now)
+        return incarnation, self._state.last_quorum_id
+
+    async def quorum(self, ask: QuorumAsk) -> Formation:
+        """Waits until a quorum including the caller forms (the caller's deadline bounds it)."""
+        core.check_step(ask.step)
+        self._ensure_open()
+        self._state.check(ask.replica_id, ask.incarnation)
+        cached = self._answered.get(ask.replica_id)
+        if ask.attempt_id and cached and cached[:2] == (ask.incarnation, ask.attempt_id):
+            return cached[2]  # the answer to this very call was lost on the way: same answer
+        now = self._clock()
+        rid = ask.replica_id
+        previous = self._waiters.pop(rid, None)
+        if previous is not None and not previous.future.done():
+            previous.future.set_exception(
+                SupersededRequestError(f"a newer Quorum call of {rid} replaced this one")
+            )
+        waiter = _Waiter(ask, asyncio.get_running_loop().create_future(), now)
+        self._waiters[rid] = waiter
+        self._state.add_ask(
+            Ask(
+                replica_id=rid,
+                incarnation=ask.incarnation,
+                step=ask.step,
+                commit_failed=ask.commit_failed,
+                arrived=now,
+            )
+        )
+        self._evaluate(now)
+        try:
+            return await waiter.future
+        finally:
+            self._settle(waiter)
+
+    def heartbeat(self, replica_id: str, incarnation: int) -> int:
+        """Records a sign of life; returns the latest quorum id."""
+        self._ensure_open()
+        self._state.check(replica_id, incarnation)
+        self._state.touch(replica_id, self._clock())
+        return self._state.last_quorum_id
+
+    def report_failure(
+        self, replica_id: str, incarnation: int | None, reason: str, reporter: str
+    ) -> bool:
+        """Evicts a replica at once; False when it was already gone or the report is stale."""
+        core.check_id(replica_id)
+        core.check_id(reporter, "reporter")
+        core.check_reason(reason)
+        self._ensure_open()
+        if replica_id not in self._state.issued:
+            raise UnknownReplicaError(f"unknown replica: {replica_id} never joined")
+        reg = self._state.registered.get(replica_id)
+        if reg is None or (incarnation is not None and incarnation != reg.incarnation):
+            return False
+        self._evict(reg, kind="evicted", cause="report", reason=f"{reporter}: {reason}")
+        return True
+
+    def leave(self, replica_id: str, incarnation: int, reason: str) -> None:
+        """Removes a replica gracefully."""
+        core.check_reason(reason)
+        self._ensure_open()
+        reg = self._state.check(replica_id, incarnation)
+        self._evict(reg, kind="left", cause="left", reason=reason or "left")
+
+    async def status(self, history_limit: int = 0) -> StatusSnapshot:
+        """Membership with liveness, and recent quorums."""
+        now = self._clock()
+        hb = self._config.heartbeat_timeout.total_seconds()
+        state = self._state
+        members = tuple(
+            MemberStatus(
+                replica_id=reg.replica_id,
+                incarnation=reg.incarnation,
+                world_size=reg.world_size,
+                step=state.last_step.get(reg.replica_id),
+                live=state.is_live(reg.replica_id, now, hb),
+                waiting=reg.replica_id in state.waiting,
+                last_seen_ago=timedelta(seconds=max(0.0, now - state.last_seen[reg.replica_id])),
+                ranks=reg.ranks,
+            )
+            for reg in sorted(state.registered.values(), key=lambda r: r.replica_id)
+        )
+        records = await self._store.history(history_limit)
+        return StatusSnapshot(
+            quorum_id=state.last_quorum_id,
+            round=state.rounds,
+            members=members,
+            quorums=tuple(_summary(r) for r in records),
+        )
+
+    def subscribe(self) -> Subscription:
+        """A new event stream; its first event is a `snapshot` of the current membership."""
+        self._ensure_open()
+        sub = Subscription(self._config.watch_queue_size)
+        sub.offer(self._event("snapshot", None, "current state"))
+        self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Ends delivery to a stream."""
+        self._subscribers.discard(sub)
+
+    def poll(self) -> None:
+        """Evicts expired replicas and re-evaluates the round (timers call it; tests too)."""
+        if self._closing:
+            return
+        now = self._clock()
+        gone, _ = core.expired(now, self._state, self._config)
+        for rid in gone:
+            reg = self._state.registered[rid]
+            timeout_ms = int(self._config.heartbeat_timeout.total_seconds() * 1000)
+            self._evict(
+                reg, kind="evicted", cause="heartbeat", reason=(f"no heartbeat for {timeout_ms} ms")
+            )
+        self._evaluate(now)
+
+    # ---- rounds -------------------------------------------------------------------------------
+
+    def _evaluate(self, now: float) -> None:
+        if self._closing:
+            return
+        decision, reason = core.decide(now, self._state, self._config)
+        if decision.form:
+            self._form(now, decision.path, reason)
+        else:
+            self._arm_timer(decision.wake_at)
+
+    def _form(self, now: float, path: str, reason: str) -> None:
+        formation = core.form(now, self._state, reason=reason, formed_unix=self._wall())
+        waiters = [self._waiters.pop(a.replica_id) for a in formation.participants]
+        new_epoch = formation.record.quorum_id != self._state.last_quorum_id
+        self._state.apply(formation, now)
+        self._cancel_timer()
+        tally = _Tally(formation.record.round, now, len(waiters))
+        for waiter in waiters:
+            waiter.tally = tally
+        self._metrics.rounds.labels(path=path).inc()
+        if new_epoch:
+            self._metrics.epochs.inc()
+            self._metrics.quorum_id.set(formation.record.quorum_id)
+            log.info(
+                "new quorum",
+                extra={
+                    "quorum_id": formation.record.quorum_id,
+                    "members": len(waiters),
+                    "max_step": formation.quorum.max_step,
+                    "reason": reason,
+                },
+            )
+        self._spawn(self._publish(formation, waiters, new_epoch))
+
+    async def _publish(self, formation: Formation, waiters: list[_Waiter], new_epoch: bool) -> None:
+        """Persists the epoch (I3: never answer with an id the store could lose), then answers."""
+        try:
+            async with self._store_lock:
+                await self._store.save_quorum(formation.record)
+        except Exception:
+            log.exception("could not persist quorum %d", formation.record.quorum_id)
+            for waiter in waiters:
+                if not waiter.future.done():
+                    waiter.future.set_exception(InternalError("could not persist the quorum"))
+            return
+        for waiter in waiters:
+            if waiter.ask.attempt_id:
+                self._answered[waiter.ask.replica_id] = (
+                    waiter.ask.incarnation,
+                    waiter.ask.attempt_id,
+                    formation,
+                )
+            if not waiter.future.done():
+                waiter.future.set_result(formation)
+        if new_epoch:
+            self._emit("quorum", None, formation.quorum.reason, formation.quorum)
+
+    def _settle(self, waiter: _Waiter) -> None:
+        """After a Quorum call ends: drop it from the round if it never formed (cancelled RPC),
+        and account the round's latency once its last participant is answered."""
+        now = self._clock()
+        rid = waiter.ask.replica_id
+        if self._waiters.get(rid) is waiter:
+            del self._waiters[rid]
+            self._state.drop_ask(rid)
+            self._state.touch(rid, now)
+            log.info("dropped a cancelled quorum request", extra={"replica_id": rid})
+            self._evaluate(now)
+        self._metrics.wait_seconds.observe(now - waiter.arrived)
+        tally = waiter.tally
+        if tally is not None:
+            tally.pending -= 1
+            if tally.pending == 0:
+                seconds = max(0.0, now - tally.started)
+                self._metrics.round_seconds.observe(seconds)
+                self.round_timings.append(
+                    RoundTiming(round=tally.round, participants=tally.size, seconds=seconds)
+                )
+
+    def _arm_timer(self, wake_at: float | None) -> None:
+        if wake_at == self._timer_at and self._timer is not None:
+            return
+        self._cancel_timer()
+        if wake_at is None:
+            return
+        delay = max(0.0, wake_at - self._clock()) + _TIMER_SLACK
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+        self._timer_at = wake_at
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.poll()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None
+
+    async def _sweep_forever(self) -> None:
+        """Evicts replicas at their heartbeat expiry. Expiries only move later (signs of life
+        only ever raise last_seen, new replicas expire a full timeout from now), so sleeping
+        until the earliest known one never misses one."""
+        idle = self._config.heartbeat_timeout.total_seconds()
+        while True:
+            self.poll()
+            _, next_expiry = core.expired(self._clock(), self._state, self._config)
+            delay = idle if next_expiry is None else next_expiry - self._clock() + _TIMER_SLACK
+            await asyncio.sleep(max(_TIMER_SLACK, delay))
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def _evict(self, reg: Registration, *, kind: EventKind, cause: str, reason: str) -> None:
+        self._state.remove(reg.replica_id)
+        self._after_removal(reg, kind=kind, cause=cause, reason=reason)
+        self._persist(self._store.remove_member, reg.replica_id, reg.incarnation)
+        self._metrics.members.set(len(self._state.registered))
+        self._evaluate(self._clock())
+
+    def _after_removal(
+        self, reg: Registration, *, kind: EventKind, cause: str, reason: str
+    ) -> None:
+        """Fails the removed incarnation's pending call and tells the watchers."""
+        rid = reg.replica_id
+        waiter = self._waiters.get(rid)
+        if waiter is not None and waiter.ask.incarnation == reg.incarnation:
+            del self._waiters[rid]
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    StaleIncarnationError(
+                        f"stale incarnation: {rid} incarnation {reg.incarnation} "
+                        f"was removed: {reason}"
+                    )
+                )
+        self._answered.pop(rid, None)
+        self._metrics.evictions.labels(cause=cause).inc()
+        log.warning(
+            "replica removed",
+            extra={
+                "replica_id": rid,
+                "incarnation": reg.incarnation,
+                "cause": cause,
+                "reason": reason,
+            },
+        )
+        self._emit(kind, rid, reason)
+
+    def _check_world_size(self, replica_id: str, world_size: int) -> None:
+        other = next(
+            (r for r in self._state.registered.values() if r.replica_id != replica_id), None
+        )
+        if other is not None and other.world_size != world_size:
+            raise WorldSizeMismatchError(
+                f"world_size {world_size} differs from the members' {other.world_size} "
+                f"(e.g. {other.replica_id}): every replica of a job must have the same world size"
+            )
+
+    def _ensure_open(self) -> None:
+        if self._closing:
+            raise ShuttingDownError("the quorum service is stopping")
+
+    # ---- events and background writes ---------------------------------------------------------
+
+    def _event(
+        self, kind: EventKind, replica_id: str | None, reason: str, quorum: Any = None
+    ) -> MembershipEvent:
+        if quorum is not None:
+            members = tuple(m.replica_id for m in quorum.members)
+        else:
+            members = tuple(sorted(self._state.registered))
+        return MembershipEvent(
+            kind=kind,
+            replica_id=replica_id,
+            quorum_id=self._state.last_quorum_id,
+            reason=reason,
+            members=members,
+        )
+
+    def _emit(
+        self, kind: EventKind, replica_id: str | None, reason: str, quorum: Any = None
+    ) -> None:
+        if not self._subscribers:
+            return
+        event = self._event(kind, replica_id, reason, quorum)
+        for sub in list(self._subscribers):
+            sub.offer(event)
+            if sub.overflowed:
+                self._subscribers.discard(sub)
+
+    def _persist(self, write: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        """Writes membership through to the store in order, off the caller's path."""
+
+        async def run() -> None:
+            try:
+                async with self._store_lock:
+                    await write(*args)
+            except Exception:
+                log.exception("store write failed")
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _summary(record: QuorumRecord) -> QuorumSummary:
+    return QuorumSummary(
+        quorum_id=record.quorum_id,
+        round=record.round,
+        members=tuple(rid for rid, _ in record.members),
+        max_step=record.max_step,
+        healthy=record.healthy,
+        reason=record.reason,
+        formed_at=datetime.fromtimestamp(record.formed_unix, tz=UTC),
+    )

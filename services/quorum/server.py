@@ -1,0 +1,438 @@
+"""The quorum service on the wire: grpc.aio handlers, bearer-token interceptor, the error table,
+health, reflection, admin HTTP, graceful shutdown; and the embeddable `QuorumServer` /
+`QuorumServerThread`.
+
+Handlers only convert messages <-> domain objects and map errors; behaviour is in
+`coordinator.py` and `core.py`. A formed round's answer is encoded once per round (twice at most:
+with and without endpoints) and sent as bytes to every participant, so answering N replicas costs
+N writes, not N encodings of an O(N) message."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import quorum_pb2 as pb
+from services.common.tokens import Token
+from services.quorum import client_codec as codec
+from services.quorum.admin import AdminServer
+from services.quorum.client_types import (
+    InternalError,
+    InvalidRequestError,
+    QuorumError,
+    StaleIncarnationError,
+    SupersededRequestError,
+    UnknownReplicaError,
+    WorldSizeMismatchError,
+)
+from services.quorum.config import QuorumConfig
+from services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
+from services.quorum.core import Formation
+from services.quorum.errors import ShuttingDownError
+from services.quorum.metrics import QuorumMetrics
+from services.quorum.store import InMemoryStore, QuorumStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["QuorumService"].full_name
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Join with 4096 ranks x 2 x 256 chars fits many times
+
+ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
+    InvalidRequestError: (grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    UnknownReplicaError: (grpc.StatusCode.FAILED_PRECONDITION, "unknown_replica"),
+    StaleIncarnationError: (grpc.StatusCode.FAILED_PRECONDITION, "stale_incarnation"),
+    WorldSizeMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, "world_size_mismatch"),
+    SupersededRequestError: (grpc.StatusCode.ABORTED, "superseded"),
+    ShuttingDownError: (grpc.StatusCode.UNAVAILABLE, "shutting_down"),
+    InternalError: (grpc.StatusCode.INTERNAL, "internal"),
+}
+"""Domain error -> (gRPC status, error kind for the trailing metadata); the most derived class
+wins. Anything else is INTERNAL with a generic message (the traceback stays in the log)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """(code, kind, message) for an exception raised by a handler."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            code, kind = ERROR_TABLE[cls]
+            return code, kind, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal", "internal error (see the quorum service log)"
+
+
+if TYPE_CHECKING:
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:  # the runtime class is not generic
+    _Interceptor = grpc.aio.ServerInterceptor
+
+
+def _encode(message: Message | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class _BearerAuth(_Interceptor):
+    """Refuses every RPC without `authorization: Bearer <token>`, streaming ones included;
+    health and reflection stay open for probes and tooling."""
+
+    def __init__(self, token: Token, metrics: QuorumMetrics) -> None:
+        self._token = token
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        presented = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value if isinstance(value, str) else value.decode(errors="replace")
+        if self._token.accepts(presented):
+            return handler
+        self._metrics.auth_failures.inc()
+        return _refusal(handler)
+
+
+async def _refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+    raise AssertionError("abort returned")  # pragma: no cover
+
+
+async def _refuse_stream(
+    request: Any, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+    yield None  # pragma: no cover  (makes this an async generator)
+
+
+def _refusal(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    kwargs: dict[str, Any] = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_refuse, **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_refuse_stream, **kwargs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(_refuse, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(_refuse_stream, **kwargs)
+
+
+class _Servicer:
+    """`fthsdp.v1.QuorumService` handlers."""
+
+    def __init__(self, coordinator: Coordinator, metrics: QuorumMetrics) -> None:
+        self._coordinator = coordinator
+        self._metrics = metrics
+        self._encoded: dict[tuple[int, bool], bytes] = {}
+
+    def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        """Method handlers; responses may be pre-encoded bytes (see `_encode`)."""
+        unary: dict[str, tuple[Callable[[Any], Awaitable[Message | bytes]], Any]] = {
+            "Join": (self._join, pb.JoinRequest),
+            "Quorum": (self._quorum, pb.QuorumRequest),
+            "Heartbeat": (self._heartbeat, pb.HeartbeatRequest),
+            "ReportFailure": (self._report_failure, pb.ReportFailureRequest),
+            "Leave": (self._leave, pb.LeaveRequest),
+            "Status": (self._status, pb.StatusRequest),
+        }
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._wrap(name, fn),
+                request_deserializer=msg.FromString,
+                response_serializer=_encode,
+            )
+            for name, (fn, msg) in unary.items()
+        }
+        handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
+            self._watch,
+            request_deserializer=pb.WatchRequest.FromString,
+            response_serializer=_encode,
+        )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _wrap(
+        self, name: str, fn: Callable[[Any], Awaitable[Message | bytes]]
+    ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message | bytes]]:
+        requests = self._metrics.requests
+
+        async def handle(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Message | bytes:
+            try:
+                response = await fn(request)
+            except QuorumError as exc:
+                code, kind, message = status_for(exc)
+            except Exception:
+                log.exception("%s failed", name)
+                code, kind, message = status_for(RuntimeError())
+            else:
+                requests.labels(method=name, code="OK").inc()
+                return response
+            requests.labels(method=name, code=code.name).inc()
+            context.set_trailing_metadata(((codec.ERROR_KIND_KEY, kind),))
+            await context.abort(code, message)
+            raise AssertionError("abort returned")  # pragma: no cover
+
+        return handle
+
+    async def _join(self, request: pb.JoinRequest) -> Message:
+        incarnation, quorum_id = await self._coordinator.join(
+            request.replica_id, request.world_size, codec.ranks_from_pb(request.ranks)
+        )
+        return pb.JoinResponse(incarnation=incarnation, quorum_id=quorum_id)
+
+    async def _quorum(self, request: pb.QuorumRequest) -> bytes:
+        formation = await self._coordinator.quorum(
+            QuorumAsk(
+                replica_id=request.replica_id,
+                incarnation=request.incarnation,
+                step=request.step,
+                commit_failed=request.commit_failed,
+                attempt_id=request.attempt_id,
+            )
+        )
+        endpoints = request.known_quorum_id != formation.quorum.quorum_id
+        return self._encoded_answer(formation, endpoints)
+
+    def _encoded_answer(self, formation: Formation, endpoints: bool) -> bytes:
+        key = (formation.record.round, endpoints)
+        data = self._encoded.get(key)
+        if data is None:
+            if len(self._encoded) >= 8:
+                self._encoded.clear()
+            data = self._encoded[key] = codec.quorum_to_pb(
+                formation.quorum, endpoints=endpoints
+            ).SerializeToString()
+        return data
+
+    async def _heartbeat(self, request: pb.HeartbeatRequest) -> Message:
+        quorum_id = self._coordinator.heartbeat(request.replica_id, request.incarnation)
+        return pb.HeartbeatResponse(quorum_id=quorum_id)
+
+    async def _report_failure(self, request: pb.ReportFailureRequest) -> Message:
+        incarnation = request.incarnation if request.HasField("incarnation") else None
+        evicted = self._coordinator.report_failure(
+            request.replica_id, incarnation, request.reason, request.reporter
+        )
+        return pb.ReportFailureResponse(evicted=evicted)
+
+    async def _leave(self, request: pb.LeaveRequest) -> Message:
+        self._coordinator.leave(request.replica_id, request.incarnation, request.reason)
+        return pb.LeaveResponse()
+
+    async def _status(self, request: pb.StatusRequest) -> Message:
+        snapshot = await self._coordinator.status(request.history_limit)
+        return codec.status_to_pb(snapshot)
+
+    async def _watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Message]:
+        try:
+            sub = self._coordinator.subscribe()
+        except QuorumError as exc:
+            code, kind, message = status_for(exc)
+            context.set_trailing_metadata(((codec.ERROR_KIND_KEY, kind),))
+            await context.abort(code, message)
+            return
+        self._metrics.requests.labels(method="Watch", code="OK").inc()
+        try:
+            while True:
+                event = await sub.queue.get()
+                if event is None:
+                    if sub.overflowed:
+                        await context.abort(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            "watch stream fell too far behind; subscribe again",
+                        )
+                    return
+                yield codec.event_to_pb(event)
+        finally:
+            self._coordinator.unsubscribe(sub)
+
+
+class QuorumServer:
+    """The quorum service, embeddable: `await start()` binds (port 0 allowed), `await stop()`.
+
+    Graceful stop: health turns NOT_SERVING, waiting Quorum calls get UNAVAILABLE (clients retry
+    against the restarted service or a standby), Watch streams end, new RPCs are refused, and
+    in-flight ones get `grace` to finish before they are cancelled."""
+
+    def __init__(
+        self,
+        config: QuorumConfig,
+        token: Token | str,
+        *,
+        store: QuorumStore | None = None,
+        metrics: QuorumMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self._token = token if isinstance(token, Token) else Token(token)
+        self.metrics = metrics or QuorumMetrics()
+        self._store = store or InMemoryStore(history_size=config.history_size)
+        self.coordinator = Coordinator(config, self._store, metrics=self.metrics)
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self._admin: AdminServer | None = None
+        self._serving = False
+        self._stopping: asyncio.Future[None] | None = None
+        self.address = ""
+        """`host:port` the gRPC server is bound to (after start)."""
+        self.admin_address: str | None = None
+        """`host:port` of the admin HTTP server (after start; None without one)."""
+
+    async def start(self) -> str:
+        """Binds and starts serving; returns `address`."""
+        if self._server is not None:
+            raise RuntimeError("QuorumServer.start() called twice")
+        await self.coordinator.start()
+        server = grpc.aio.server(
+            interceptors=[_BearerAuth(self._token, self.metrics)],
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        server.add_generic_rpc_handlers(
+            (_Servicer(self.coordinator, self.metrics).generic_handler(),)
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        self._server = server
+        await server.start()
+        self.address = f"{self.config.host}:{port}"
+        if self.config.admin_port is not None:
+            self._admin = AdminServer(
+                self.config.host, self.config.admin_port, self.metrics.registry, self.is_serving
+            )
+            self._admin.start()
+            self.admin_address = self._admin.address
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+        log.info("quorum service listening", extra={"address": self.address})
+        return self.address
+
+    def is_serving(self) -> bool:
+        """Whether the service accepts requests (readiness)."""
+        return self._serving
+
+    def round_timings(self) -> list[RoundTiming]:
+        """Recent server-side round latencies (for benchmarks)."""
+        return list(self.coordinator.round_timings)
+
+    async def stop(self, grace: timedelta | None = None) -> None:
+        """Stops gracefully (see the class doc); idempotent and safe to call concurrently."""
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
+            return
+        self._stopping = asyncio.get_running_loop().create_future()
+        try:
+            await self._shutdown(self.config.shutdown_grace if grace is None else grace)
+        finally:
+            self._stopping.set_result(None)
+
+    async def _shutdown(self, grace: timedelta) -> None:
+        self._serving = False
+        if self._server is not None:
+            await self._health.enter_graceful_shutdown()
+            await self.coordinator.close()
+            await self._server.stop(grace.total_seconds())
+            await self._server.wait_for_termination(0)
+        if self._admin is not None:
+            self._admin.stop()
+        log.info("quorum service stopped", extra={"address": self.address})
+
+
+class QuorumServerThread:
+    """A `QuorumServer` on its own event loop in a background thread, for synchronous callers
+    (tests of the sync client, the local launcher)."""
+
+    def __init__(
+        self, config: QuorumConfig, token: Token | str, *, store: QuorumStore | None = None
+    ) -> None:
+        self._config = config
+        self._token = token
+        self._store = store
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.server: QuorumServer | None = None
+        """The embedded server (after start)."""
+
+    @property
+    def address(self) -> str:
+        """`host:port` of the gRPC server (after start)."""
+        return self.server.address if self.server else ""
+
+    @property
+    def admin_address(self) -> str | None:
+        """`host:port` of the admin HTTP server (after start)."""
+        return self.server.admin_address if self.server else None
+
+    def start(self, timeout: timedelta = timedelta(seconds=30)) -> str:
+        """Starts the thread and the server; returns the bound address."""
+        if self._thread is not None:
+            raise RuntimeError("QuorumServerThread.start() called twice")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self.server = QuorumServer(self._config, self._token, store=self._store)
+                loop.run_until_complete(self.server.start())
+            except BaseException as exc:
+                failure.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="quorum-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout.total_seconds()):
+            raise TimeoutError("the quorum server did not start in time")
+        if failure:
+            raise failure[0]
+        return self.address
+
+    def stop(self, grace: timedelta | None = None) -> None:
+        """Stops the server gracefully and joins the thread. Idempotent."""
+        loop, thread, server = self._loop, self._thread, self.server
+        if loop is None or thread is None or server is None or not thread.is_alive():
+            return
+        future = asyncio.run_coroutine_threadsafe(server.stop(grace), loop)
+        with contextlib.suppress(Exception):
+            future.result(timeout=(grace or self._config.shutdown_grace).total_seconds() + 10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)

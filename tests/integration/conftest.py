@@ -1,0 +1,48 @@
+"""Integration fixtures. Quorum service only: a real grpc.aio server on port 0."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from services.quorum.config import QuorumConfig
+from services.quorum.server import QuorumServer, QuorumServerThread
+
+QuorumServerFactory = Callable[..., Awaitable[QuorumServer]]
+
+
+@pytest.fixture
+async def make_quorum_server(token: str) -> AsyncIterator[QuorumServerFactory]:
+    """Starts quorum servers on free ports (config fields as keyword overrides); stops them all."""
+    servers: list[QuorumServer] = []
+
+    async def make(**overrides: Any) -> QuorumServer:
+        fields: dict[str, Any] = {"port": 0, "admin_port": 0, **overrides}
+        server = QuorumServer(QuorumConfig(**fields), token)
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        await server.stop(timedelta(seconds=0.5))
+
+
+@pytest.fixture
+async def quorum_server(make_quorum_server: QuorumServerFactory) -> QuorumServer:
+    """A quorum server with the default rules on a free port."""
+    return await make_quorum_server()
+
+
+@pytest.fixture
+def quorum_thread(token: str) -> Iterator[QuorumServerThread]:
+    """A quorum server on its own loop thread, for synchronous clients."""
+    thread = QuorumServerThread(
+        QuorumConfig(port=0, admin_port=0, join_timeout=timedelta(seconds=1)), token
+    )
+    thread.start()
+    yield thread
+    thread.stop(timedelta(seconds=0.5))

@@ -1,0 +1,72 @@
+"""Configuration of a training rank's Manager."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManagerConfig:
+    """Everything a rank needs to take part in fault-tolerant training across replicas.
+
+    Replica ids name the unit of failure: a restarted replica keeps its id and gets a new
+    incarnation from the quorum service."""
+
+    job_id: str
+    """Names the training job; checkpoints and data positions are stored under it."""
+    replica_id: str
+    """This replica's stable id (for example `r0`); its members sort into the ring order."""
+    replica_index: int
+    """This replica's data shard, in `0..total_replicas-1`; fixed for the life of the job."""
+    total_replicas: int
+    """How many replicas (data shards) the job was configured with; a replica may be down."""
+    quorum_address: str
+    """`host:port` of the quorum service (only the replica leader, rank 0, talks to it)."""
+    checkpoint_url: str
+    """Base URL of this host's checkpoint sidecar (publishes snapshots, writes checkpoints)."""
+    token: str
+    """Bearer token for the quorum and checkpoint services; never logged."""
+    shm_dir: str = "/dev/shm"
+    """Shared-memory directory of the checkpoint sidecar (snapshots are copied there)."""
+    quorum_timeout: timedelta = timedelta(seconds=60)
+    """How long a leader waits for one quorum (covers the service's join timeout and retries)."""
+    heartbeat_interval: timedelta = timedelta(milliseconds=200)
+    """How often the leader tells the quorum service that its replica is alive."""
+    fetch_timeout: timedelta = timedelta(seconds=60)
+    """Overall deadline for fetching a healthy peer's state during catch-up."""
+    max_failed_commits: int = 8
+    """Consecutive failed commits after which the Manager gives up with `TooManyFailedCommits`."""
+    durable_every_steps: int = 0
+    """A durable checkpoint every K committed steps (0 disables), written by one healthy replica."""
+    scale_lr_by_healthy: bool = False
+    """Scale each step's learning rate by sqrt(healthy / total_replicas), as the FT-HSDP paper
+    recommends when replicas are missing."""
+    bucket_bytes: int = 8 << 20
+    """Gradients are exchanged in buckets of about this many bytes, each its own FTAR work."""
+    exchange_timeout: timedelta = timedelta(seconds=30)
+    """Bound on one cross-replica gradient exchange before it counts as failed (recoverable)."""
+
+    def __post_init__(self) -> None:
+        for name in ("job_id", "replica_id"):
+            value = getattr(self, name)
+            if not _ID.fullmatch(value):
+                raise ValueError(f"{name} must be 1..128 letters, digits, '_', '.' or '-'")
+        if self.total_replicas < 1:
+            raise ValueError("total_replicas must be >= 1")
+        if not 0 <= self.replica_index < self.total_replicas:
+            raise ValueError(
+                f"replica_index {self.replica_index} outside 0..{self.total_replicas - 1}"
+            )
+        if self.max_failed_commits < 1:
+            raise ValueError("max_failed_commits must be >= 1")
+        if self.durable_every_steps < 0:
+            raise ValueError("durable_every_steps must be >= 0")
+        if self.bucket_bytes < 1024:
+            raise ValueError("bucket_bytes must be >= 1024")
+        for name in ("quorum_timeout", "heartbeat_interval", "fetch_timeout", "exchange_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")

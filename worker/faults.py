@@ -1,0 +1,86 @@
+"""Deterministic fault injection for tests and the demo: a rank kills itself at a chosen point.
+
+`FTHSDP_FAULTS` lists faults as `replica:rank:step:point` separated by commas, for example
+`r1:0:12:exchange` (rank 0 of replica r1 dies in the middle of step 12's exchange). `step` may
+be `*` (the first time the point is reached). Each fault fires once per job: a marker file in
+`FTHSDP_FAULTS_DIR` records it, so the restarted replica does not die again."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+POINTS = ("exchange", "fetch", "serve", "commit")
+"""exchange: after this rank's FTAR works started, before they finish; fetch: while catching up;
+serve: right after publishing a snapshot for a recovering peer; commit: after the vote, before
+the optimizer step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    """One planned death."""
+
+    replica_id: str
+    rank: int
+    step: int | None
+    point: str
+
+    @property
+    def marker(self) -> str:
+        step = "any" if self.step is None else str(self.step)
+        return f"fault-{self.replica_id}-{self.rank}-{step}-{self.point}"
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Parses `FTHSDP_FAULTS`; raises ValueError with the offending entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        parts = entry.split(":")
+        if len(parts) != 4 or parts[3] not in POINTS:
+            raise ValueError(
+                f"bad fault {entry!r}: want replica:rank:step:point, point in {POINTS}"
+            )
+        replica, rank, step, point = parts
+        faults.append(
+            Fault(
+                replica_id=replica,
+                rank=int(rank),
+                step=None if step == "*" else int(step),
+                point=point,
+            )
+        )
+    return faults
+
+
+class FaultPlan:
+    """The faults that concern one rank."""
+
+    def __init__(self, faults: list[Fault], marker_dir: Path | None) -> None:
+        self._faults = faults
+        self._marker_dir = marker_dir
+
+    @classmethod
+    def from_env(cls, replica_id: str, rank: int, env: dict[str, str] | None = None) -> FaultPlan:
+        environ = os.environ if env is None else env
+        mine = [
+            f
+            for f in parse_faults(environ.get("FTHSDP_FAULTS", ""))
+            if f.replica_id == replica_id and f.rank == rank
+        ]
+        directory = environ.get("FTHSDP_FAULTS_DIR")
+        return cls(mine, Path(directory) if directory else None)
+
+    def hit(self, point: str, step: int) -> None:
+        """Dies with SIGKILL if a fault is planned here and has not fired yet in this job."""
+        for fault in self._faults:
+            if fault.point != point or fault.step not in (None, step):
+                continue
+            if self._marker_dir is not None:
+                marker = self._marker_dir / fault.marker
+                if marker.exists():
+                    continue
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)

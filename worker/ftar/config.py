@@ -1,0 +1,73 @@
+"""Configuration of one FTAR ring (one per rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+__all__ = ["FtarConfig"]
+
+_MAX_CHUNK_BYTES = 1 << 30
+_ELEMENT_BYTES = 4  # the wire always carries float32
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FtarConfig:
+    """How a rank's FTAR ring listens, pipelines and times out."""
+
+    bind_host: str = "127.0.0.1"
+    """Host the listener binds; neighbours connect to the address published from ``.address``."""
+
+    port: int = 0
+    """Listener port; 0 picks a free one (read it back from ``FtarRing.address``)."""
+
+    chunk_bytes: int = 8 * 1024 * 1024
+    """Pipeline chunk size S in bytes of float32 payload (a multiple of 4). 8 MiB is the paper's
+    choice and measured best on loopback here (bench/ftar.py): bigger chunks mean fewer system
+    calls and thread hand-offs per byte."""
+
+    chunks_in_flight: int = 2
+    """Pipeline depth C: chunk columns started ahead, and reduce buffers held per receiver, so
+    at most S x C bytes wait in user space per peer."""
+
+    chunk_timeout: timedelta = timedelta(seconds=10)
+    """Bound on moving one started chunk (and on sending once the right neighbour is ready)."""
+
+    exchange_timeout: timedelta = timedelta(seconds=60)
+    """Bound on one whole exchange, including waiting for late neighbours to start it."""
+
+    connect_timeout: timedelta = timedelta(seconds=10)
+    """Bound on ``reconfigure`` establishing both neighbour connections (with retries)."""
+
+    socket_buffer_bytes: int = 0
+    """SO_SNDBUF/SO_RCVBUF for ring sockets; 0 leaves the kernel's autotuning in charge."""
+
+    max_ring_size: int = 4096
+    """Largest ring accepted from a peer's handshake (bounds wire fields before use)."""
+
+    def __post_init__(self) -> None:
+        if not self.bind_host:
+            raise ValueError("bind_host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not _ELEMENT_BYTES <= self.chunk_bytes <= _MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [4, {_MAX_CHUNK_BYTES}]")
+        if self.chunk_bytes % _ELEMENT_BYTES:
+            raise ValueError("chunk_bytes must be a multiple of 4 (float32 elements)")
+        if not 1 <= self.chunks_in_flight <= 1024:
+            raise ValueError("chunks_in_flight must be in [1, 1024]")
+        for name in ("chunk_timeout", "exchange_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"{name} must be a positive timedelta")
+        if self.chunk_timeout > self.exchange_timeout:
+            raise ValueError("chunk_timeout must not exceed exchange_timeout")
+        if self.socket_buffer_bytes and not 4096 <= self.socket_buffer_bytes <= _MAX_CHUNK_BYTES:
+            raise ValueError("socket_buffer_bytes must be 0 (autotune) or in [4096, 1 GiB]")
+        if not 1 <= self.max_ring_size <= 1 << 20:
+            raise ValueError("max_ring_size must be in [1, 1048576]")
+
+    @property
+    def chunk_elems(self) -> int:
+        """Chunk size in float32 elements."""
+        return self.chunk_bytes // _ELEMENT_BYTES

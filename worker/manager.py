@@ -1,0 +1,392 @@
+"""The per-rank Manager: the FT-HSDP step protocol (DESIGN.md, steps 1–5).
+
+Per step: the leader asks the quorum service for a quorum (overlapped with the forward pass) and
+broadcasts it inside the replica; every rank rebuilds its FTAR ring on a new quorum id; the
+replica's gradient is averaged across the healthy replicas; every rank votes, and only a unanimous
+replica applies the optimizer step. A failed vote retries the exchange on the next quorum from the
+intact local gradient. A replica behind the healthy ones contributes zeros while it fetches their
+state (published as a snapshot before their optimizer step), then applies the same averaged
+gradient and is identical to them (I1)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from services.quorum.client import QuorumClient, RankEndpoint, StaleIncarnationError
+from worker.config import ManagerConfig
+from worker.data import DataPositions
+from worker.exchange import GradientExchange
+from worker.faults import FaultPlan
+from worker.ftar import FtarConfig, FtarRing
+from worker.peer_state import PeerState, StateFetchError
+from worker.plan import StepPlan, decode_plan, encode_failure, encode_quorum
+from worker.replica_group import ReplicaGroup
+from worker.state import fingerprint, load_state_tensors, state_tensors
+
+log = logging.getLogger(__name__)
+
+POSITIONS_META = "positions"
+STEP_META = "step"
+
+
+class TooManyFailedCommits(RuntimeError):
+    """The replica failed to commit `max_failed_commits` times in a row; it stops."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOutcome:
+    """What happened in one call of `Manager.finish_step` (always a committed step)."""
+
+    step: int
+    """The step that was committed (the replica now stands at step + 1)."""
+    quorum_id: int
+    """The quorum whose exchange committed."""
+    healthy: tuple[str, ...]
+    """The replicas whose gradients this step averaged."""
+    recovered: bool
+    """This replica caught up from peers in this step (it contributed zeros)."""
+    trained: dict[str, tuple[int, int]]
+    """Per contributing replica, the range of its shard's positions this step trained."""
+    attempts: int
+    """Exchanges tried (1 unless a peer failed mid-exchange)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of the phases: quorum, exchange, fetch, commit."""
+
+
+class Manager:
+    """One rank's part in fault-tolerant training. Create one per rank, after the model and the
+    optimizer; call `start_step()` before the forward pass and `finish_step()` after backward
+    (it runs the optimizer step itself)."""
+
+    def __init__(
+        self,
+        *,
+        config: ManagerConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: ReplicaGroup,
+        samples_per_step: int,
+        ftar_config: FtarConfig | None = None,
+        on_commit: Callable[[StepOutcome], None] | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.group = group
+        self.samples_per_step = samples_per_step
+        self.step = 0
+        self.positions = DataPositions()
+        self._on_commit = on_commit
+        self._faults = faults or FaultPlan([], None)
+        self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._ring = FtarRing(ftar_config or FtarConfig())
+        self._exchange = GradientExchange(
+            list(model.parameters()), group, bucket_bytes=config.bucket_bytes
+        )
+        self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
+        self._quorum = QuorumClient(config.quorum_address, config.token)
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
+        self._pending: Future[bytes] | None = None
+        self._plan: StepPlan | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._endpoints = self._gather_endpoints()
+        self._incarnation = 0
+        if group.is_leader:
+            self._incarnation = self._quorum.join(config.replica_id, self._endpoints)
+        self._restore_durable()
+        self._threads = [threading.Thread(target=self._watch, name="fthsdp-watch", daemon=True)]
+        if group.is_leader:
+            self._threads.append(
+                threading.Thread(target=self._heartbeat, name="fthsdp-heartbeat", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _gather_endpoints(self) -> list[RankEndpoint]:
+        mine = f"{self._ring.address}|{self.config.checkpoint_url}".encode()
+        endpoints = []
+        for raw in self.group.all_gather_bytes(mine):
+            ftar, _, checkpoint = raw.decode().partition("|")
+            endpoints.append(RankEndpoint(ftar=ftar, checkpoint=checkpoint))
+        return endpoints
+
+    def _restore_durable(self) -> None:
+        """A full restart: resume from the newest durable checkpoint, if the job has one."""
+        step = self._peer_state.latest_durable_step() if self.group.is_leader else None
+        agreed = self.group.broadcast_bytes(
+            str(-1 if step is None else step).encode() if self.group.is_leader else None
+        )
+        chosen = int(agreed)
+        if chosen < 0:
+            return
+        tensors, meta = self._peer_state.fetch_durable(chosen)
+        self._load(tensors, meta, expected_step=chosen)
+        log.info("restored durable checkpoint", extra=self._context(step=chosen))
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Starts the quorum request (leader only) so it overlaps the forward pass."""
+        if self.group.is_leader and self._pending is None:
+            self._pending = self._executor.submit(self._request_quorum, False)
+
+    def finish_step(self) -> StepOutcome:
+        """Exchanges the gradient, votes, and applies the optimizer step once the replica agrees.
+
+        Retries the exchange on new quorums until it commits; raises `TooManyFailedCommits`
+        after `max_failed_commits` failures in a row, and `NoQuorumError` without a quorum."""
+        self.start_step()
+        began = time.monotonic()
+        self._exchange.capture()
+        seconds = {"quorum": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
+        for attempt in range(1, self.config.max_failed_commits + 1):
+            t0 = time.monotonic()
+            plan = self._receive_plan()
+            seconds["quorum"] += time.monotonic() - t0
+            outcome = self._attempt(plan, attempt, seconds)
+            if outcome is not None:
+                seconds["total"] = time.monotonic() - began
+                return outcome
+            if self.group.is_leader:
+                self._pending = self._executor.submit(self._request_quorum, True)
+        raise TooManyFailedCommits(
+            f"replica {self.config.replica_id} failed to commit step {self.step} "
+            f"{self.config.max_failed_commits} times in a row"
+        )
+
+    def _attempt(
+        self, plan: StepPlan, attempt: int, seconds: dict[str, float]
+    ) -> StepOutcome | None:
+        self._ensure_ring(plan)
+        if plan.max_step < self.step:
+            raise RuntimeError(
+                f"quorum max_step {plan.max_step} is behind this replica's {self.step}"
+            )
+        recovering = self.step < plan.max_step
+        fetch: Future[tuple[dict[str, torch.Tensor], dict[str, str | int]]] | None = None
+        if recovering:
+            fetch = self._executor.submit(self._peer_state.fetch_peer, plan.sources, plan.max_step)
+            self._faults.hit("fetch", self.step)
+        elif plan.serve or self._durable_due(plan):
+            self._peer_state.publish(self.step, self._snapshot(), self._meta())
+            self._faults.hit("serve", self.step)
+        t0 = time.monotonic()
+        error: BaseException | None = self._exchange.exchange(
+            self._ring,
+            contribute=not recovering,
+            num_contributors=plan.num_healthy,
+            timeout=self.config.exchange_timeout.total_seconds(),
+            launched=lambda: self._faults.hit("exchange", self.step),
+        )
+        seconds["exchange"] += time.monotonic() - t0
+        fetched = None
+        if fetch is not None:
+            t0 = time.monotonic()
+            try:
+                fetched = fetch.result()
+            except (StateFetchError, TimeoutError) as exc:
+                error = error or exc
+            seconds["fetch"] += time.monotonic() - t0
+        ok = error is None
+        if not ok:
+            log.warning(
+                "exchange failed; retrying on a new quorum",
+                extra=self._context(quorum_id=plan.quorum_id, error=str(error)),
+            )
+        if not self.group.all_agree(ok):
+            return None
+        self._faults.hit("commit", self.step)
+        t0 = time.monotonic()
+        if fetched is not None:
+            self._load(*fetched, expected_step=plan.max_step)
+        if self._durable_due(plan) and not recovering:
+            self._peer_state.request_durable(self.step)
+        outcome = self._commit(plan, attempt, recovering, seconds)
+        seconds["commit"] = time.monotonic() - t0
+        return outcome
+
+    def _commit(
+        self, plan: StepPlan, attempt: int, recovered: bool, seconds: dict[str, float]
+    ) -> StepOutcome:
+        self._exchange.apply()
+        scale = math.sqrt(plan.num_healthy / self.config.total_replicas)
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * scale if self.config.scale_lr_by_healthy else base
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        trained = self.positions.advance(plan.healthy, self.samples_per_step)
+        committed = self.step
+        self.step += 1
+        if self.group.is_leader:
+            self._executor.submit(self._peer_state.record_positions, self.step, self.positions)
+        outcome = StepOutcome(
+            step=committed,
+            quorum_id=plan.quorum_id,
+            healthy=plan.healthy,
+            recovered=recovered,
+            trained=trained,
+            attempts=attempt,
+            seconds=seconds,
+        )
+        if self._on_commit is not None:
+            self._on_commit(outcome)
+        return outcome
+
+    # ---- quorum --------------------------------------------------------------------------
+
+    def _request_quorum(self, commit_failed: bool) -> bytes:
+        """Leader only: one quorum for this replica's step, as the broadcast payload."""
+        deadline = time.monotonic() + self.config.quorum_timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stop.is_set():
+                return encode_failure("no quorum within quorum_timeout")
+            try:
+                quorum = self._quorum.quorum(
+                    self.config.replica_id,
+                    self._incarnation,
+                    self.step,
+                    commit_failed=commit_failed,
+                    timeout=_seconds(remaining),
+                )
+                return encode_quorum(quorum, self.config.replica_id)
+            except StaleIncarnationError:
+                # Evicted, or the service restarted and forgot us: our state is still valid at
+                # our step, so join again as a new incarnation.
+                with self._lock:
+                    self._incarnation = self._quorum.join(self.config.replica_id, self._endpoints)
+                log.warning("rejoined the quorum", extra=self._context())
+            except TimeoutError:
+                continue
+            except Exception as exc:  # the broadcast must happen, or the other ranks hang
+                return encode_failure(f"quorum request failed: {exc}")
+
+    def _receive_plan(self) -> StepPlan:
+        payload = None
+        if self.group.is_leader:
+            assert self._pending is not None
+            payload = self._pending.result()
+            self._pending = None
+        plan = decode_plan(
+            self.group.broadcast_bytes(payload),
+            replica_id=self.config.replica_id,
+            rank=self.group.rank,
+        )
+        self._plan = plan
+        return plan
+
+    def _ensure_ring(self, plan: StepPlan) -> None:
+        if self._ring.epoch == plan.quorum_id and not self._ring.broken:
+            return
+        position = plan.ring_replicas.index(self.config.replica_id)
+        self._ring.reconfigure(list(plan.ring), position, plan.quorum_id)
+
+    # ---- background threads ----------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval.total_seconds()
+        while not self._stop.wait(interval):
+            with self._lock:
+                incarnation = self._incarnation
+            try:
+                self._quorum.heartbeat(self.config.replica_id, incarnation)
+            except Exception as exc:  # the quorum request path rejoins; keep beating
+                log.debug("heartbeat failed: %s", exc, extra=self._context())
+
+    def _watch(self) -> None:
+        """Aborts the exchange as soon as the service evicts a replica of this rank's ring."""
+        watcher = QuorumClient(self.config.quorum_address, self.config.token)
+        while not self._stop.is_set():
+            try:
+                for event in watcher.watch():
+                    if self._stop.is_set():
+                        break
+                    plan = self._plan
+                    if (
+                        event.kind in ("evicted", "left")
+                        and plan is not None
+                        and event.replica_id in plan.ring_replicas
+                        and event.replica_id != self.config.replica_id
+                    ):
+                        log.info(
+                            "ring member evicted; aborting the exchange",
+                            extra=self._context(evicted=event.replica_id),
+                        )
+                        self._ring.abort()
+            except Exception as exc:
+                log.debug("watch stream ended: %s", exc, extra=self._context())
+            self._stop.wait(0.2)
+        watcher.close()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return state_tensors(self.model, self.optimizer)
+
+    def _meta(self) -> dict[str, str | int]:
+        return {STEP_META: self.step, POSITIONS_META: self.positions.to_json()}
+
+    def _load(
+        self, tensors: dict[str, torch.Tensor], meta: dict[str, str | int], *, expected_step: int
+    ) -> None:
+        step = int(meta[STEP_META])
+        if step != expected_step:
+            raise StateFetchError(f"fetched state is at step {step}, expected {expected_step}")
+        load_state_tensors(self.model, self.optimizer, tensors)
+        self.positions = DataPositions.from_json(str(meta[POSITIONS_META]))
+        self.step = step
+
+    def _durable_due(self, plan: StepPlan) -> bool:
+        every = self.config.durable_every_steps
+        return (
+            every > 0
+            and self.step > 0
+            and self.step % every == 0
+            and bool(plan.healthy)
+            and min(plan.healthy) == self.config.replica_id
+        )
+
+    def fingerprint(self) -> str:
+        """sha256 of the parameters and optimizer state: equal on every healthy replica (I1)."""
+        return fingerprint(self._snapshot())
+
+    def _context(self, **fields: object) -> dict[str, object]:
+        return {
+            "replica_id": self.config.replica_id,
+            "rank": self.group.rank,
+            "step": self.step,
+            **fields,
+        }
+
+    # ---- shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leaves the quorum gracefully and releases sockets and threads. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self.group.is_leader:
+            try:
+                self._quorum.leave(self.config.replica_id, self._incarnation)
+            except Exception as exc:
+                log.debug("leave failed: %s", exc, extra=self._context())
+        self._ring.close()
+        self._quorum.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)

@@ -1,0 +1,108 @@
+"""What the replica leader tells its ranks after each quorum, and each rank's view of it.
+
+The leader sends the quorum as canonical JSON (never pickle); every rank validates it and
+derives its own `StepPlan`: its ring (rank i of every member), the contributors, its sources."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.quorum.client import Quorum
+
+_MAX_PAYLOAD_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Source:
+    """A healthy replica this rank may fetch state from."""
+
+    replica_id: str
+    """The source replica."""
+    url: str
+    """The checkpoint sidecar serving that replica's rank of the same index."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    """One quorum, seen from one rank."""
+
+    quorum_id: int
+    """The epoch: a new value means the ring must be rebuilt."""
+    max_step: int
+    """The step the healthy replicas are at; this replica trains it or catches up to it."""
+    ring: tuple[str, ...]
+    """FTAR addresses of this rank's ring (rank i of every member), in ring order."""
+    ring_replicas: tuple[str, ...]
+    """The replica at each ring position."""
+    healthy: tuple[str, ...]
+    """Replicas at max_step: the contributors of this step's gradient."""
+    sources: tuple[Source, ...]
+    """For a recovering replica: where this rank fetches state, in preference order."""
+    serve: bool
+    """Whether this replica is a source for some recovering replica (publish a snapshot)."""
+
+    @property
+    def num_healthy(self) -> int:
+        """How many replicas contribute to this step's gradient."""
+        return len(self.healthy)
+
+
+def encode_quorum(quorum: Quorum, replica_id: str) -> bytes:
+    """The leader's broadcast: the quorum as this replica needs it."""
+    serves = replica_id in quorum.healthy and any(
+        replica_id in ids for per_rank in quorum.sources.values() for ids in per_rank
+    )
+    body: dict[str, Any] = {
+        "quorum_id": quorum.quorum_id,
+        "max_step": quorum.max_step,
+        "members": [
+            {
+                "replica_id": m.replica_id,
+                "ranks": [[r.ftar, r.checkpoint] for r in m.ranks],
+            }
+            for m in quorum.members
+        ],
+        "healthy": list(quorum.healthy),
+        "sources": [list(ids) for ids in quorum.sources.get(replica_id, ())],
+        "serve": serves,
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode_failure(error: str) -> bytes:
+    """The leader's broadcast when it has no quorum to offer: every rank raises."""
+    return json.dumps({"error": error or "no quorum"}).encode()
+
+
+class NoQuorumError(RuntimeError):
+    """The replica leader could not obtain a quorum; the replica stops."""
+
+
+def decode_plan(payload: bytes, *, replica_id: str, rank: int) -> StepPlan:
+    """Validates the leader's broadcast and derives this rank's plan."""
+    if len(payload) > _MAX_PAYLOAD_BYTES:
+        raise ValueError("step plan too large")
+    raw = json.loads(payload)
+    if not isinstance(raw, dict):
+        raise ValueError("a step plan must be a JSON object")
+    if raw.get("error"):
+        raise NoQuorumError(str(raw["error"]))
+    members = raw["members"]
+    ring = tuple(str(m["ranks"][rank][0]) for m in members)
+    ring_replicas = tuple(str(m["replica_id"]) for m in members)
+    urls = {str(m["replica_id"]): str(m["ranks"][rank][1]) for m in members}
+    mine = raw["sources"][rank] if raw["sources"] else []
+    plan = StepPlan(
+        quorum_id=int(raw["quorum_id"]),
+        max_step=int(raw["max_step"]),
+        ring=ring,
+        ring_replicas=ring_replicas,
+        healthy=tuple(str(r) for r in raw["healthy"]),
+        sources=tuple(Source(replica_id=str(r), url=urls[str(r)]) for r in mine),
+        serve=bool(raw["serve"]),
+    )
+    if plan.max_step < 0 or plan.quorum_id < 0 or replica_id not in ring_replicas:
+        raise ValueError("a step plan must include this replica and carry non-negative ids")
+    return plan

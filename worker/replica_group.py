@@ -1,0 +1,101 @@
+"""Collectives inside one replica (its ranks), over a torch.distributed process group.
+
+Only bytes and tensors cross the wire: the leader's quorum answer travels as UTF-8 JSON in a uint8
+tensor, never pickled. With one rank per replica every call is local."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ReplicaGroup:
+    """The ranks of one replica; rank 0 is the leader."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
+        if world_size > 1 and group is None:
+            raise ValueError("a replica with more than one rank needs a process group")
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def init(
+        cls, *, rank: int, world_size: int, init_method: str, timeout: timedelta
+    ) -> ReplicaGroup:
+        """Joins the replica's gloo group (one per replica; ranks of other replicas never join)."""
+        if world_size == 1:
+            return cls(None, 0, 1)
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
+        return cls(dist.group.WORLD, rank, world_size)
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank talks to the quorum service for the replica."""
+        return self.rank == 0
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """The leader's payload on every rank (the leader passes it, the others pass None)."""
+        if self.world_size == 1:
+            assert payload is not None
+            return payload
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        length = int(size.item())
+        if not 0 <= length <= _MAX_MESSAGE_BYTES:
+            raise ValueError(f"replica message of {length} bytes is out of bounds")
+        if payload is not None:
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(length, dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self.group)
+        return buffer.numpy().tobytes()
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's payload, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [payload]
+        if len(payload) > _MAX_MESSAGE_BYTES:
+            raise ValueError("payload too large")
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        return [g[: int(s.item())].numpy().tobytes() for g, s in zip(gathered, sizes, strict=True)]
+
+    def all_agree(self, vote: bool) -> bool:
+        """The commit vote: True only if every rank voted True."""
+        if self.world_size == 1:
+            return vote
+        ballot = torch.tensor([1 if vote else 0], dtype=torch.int32)
+        dist.all_reduce(ballot, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(ballot.item())
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """In-place sum over the replica's ranks (the replica's gradient before the exchange)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+
+    def gather_slices_(self, flat: torch.Tensor) -> None:
+        """Fills every rank's `flat` with the slices that each rank owns (slice i from rank i).
+
+        `flat` has a length divisible by the world size."""
+        if self.world_size == 1:
+            return
+        slices = list(flat.chunk(self.world_size))
+        mine = slices[self.rank].clone()
+        dist.all_gather(slices, mine, group=self.group)
+
+    def close(self) -> None:
+        """Leaves the process group."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
