@@ -9,7 +9,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from deploy.demo.supervisor import KILL_MODES
+from deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
 
 
 def _positive_seconds(text: str) -> timedelta:
@@ -42,8 +42,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--no-kills", action="store_true", help="inject no failures")
     p.add_argument(
         "--kill-mode", choices=KILL_MODES, default="process",
-        help="process: SIGKILL one rank; replica: SIGKILL a whole replica; "
-        "hang: SIGSTOP a whole replica (default process)",
+        help="process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a "
+        "whole replica; quorum: restart the quorum service (default process)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seeds failures and model init (default 0)")
     p.add_argument(
@@ -70,6 +70,24 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="longest a quorum waits for a live replica that has not asked (default 2000)",
     )  # fmt: skip
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the view")
+    p.add_argument(
+        "--restart-policy", choices=RESTART_POLICIES, default="replica",
+        help="replica: only the failed replica restarts (default); job: every replica restarts "
+        "from the last durable checkpoint (the synchronous baseline)",
+    )  # fmt: skip
+    p.add_argument(
+        "--min-replicas", type=int,
+        help="smallest quorum (default: a majority of --replicas, so a minority never trains)",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpoint-dir", type=Path,
+        help="durable checkpoints (default RUN_DIR/checkpoints); reuse one to resume a job",
+    )  # fmt: skip
+    p.add_argument(
+        "--faults", default="",
+        help="planned rank deaths replica:rank:step:point[,...], point in "
+        "exchange|fetch|serve|commit (each fires once)",
+    )  # fmt: skip
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -88,6 +106,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         heartbeat_timeout=timedelta(milliseconds=args.heartbeat_timeout_ms),
         join_timeout=timedelta(milliseconds=args.join_timeout_ms),
         live=not args.no_live,
+        checkpoint_dir=args.checkpoint_dir,
+        faults=args.faults,
+        min_replicas=args.min_replicas,
+        restart_policy=args.restart_policy,
     )
     report = run_demo(config)
     if args.report:

@@ -6,6 +6,7 @@ launcher or with training for the interpreter lock."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from services.common.tokens import load_token
 from services.quorum.client import QuorumClient
 from services.quorum.config import QuorumConfig
 from services.quorum.server import QuorumServerThread
+from services.quorum.store import InMemoryStore, clock_epoch_floor
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +35,18 @@ def _free_port() -> int:
 class Sidecar:
     """One checkpoint sidecar process."""
 
-    def __init__(self, *, name: str, run_dir: Path, token_file: Path, shm_dir: Path) -> None:
+    def __init__(
+        self, *, name: str, run_dir: Path, token_file: Path, shm_dir: Path, durable_dir: Path
+    ) -> None:
         self.name = name
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_dir = shm_dir
-        durable = run_dir / "checkpoints"
         self._argv = [
             sys.executable, "-m", "services.checkpoint",
             "--port", str(self.port),
             "--shm-dir", str(shm_dir),
-            "--durable-dir", str(durable),
+            "--durable-dir", str(durable_dir),
             "--token-file", str(token_file),
         ]  # fmt: skip
         self._log = run_dir / "logs" / f"checkpoint-{name}.log"
@@ -87,8 +90,10 @@ class LocalStack:
         run_dir: Path,
         token_file: Path,
         hosts: list[str],
+        checkpoint_dir: Path,
         heartbeat_timeout: timedelta = timedelta(seconds=1),
         join_timeout: timedelta = timedelta(seconds=2),
+        min_replicas: int = 1,
         shm_root: Path = Path("/dev/shm"),
     ) -> None:
         self._token = load_token(path=str(token_file))
@@ -97,11 +102,18 @@ class LocalStack:
             admin_port=0,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
+            min_replicas=min_replicas,
         )
         self._quorum: QuorumServerThread | None = None
         shm = shm_root / f"fthsdp-{run_dir.resolve().name}-{int(time.time())}"
         self.sidecars = {
-            host: Sidecar(name=host, run_dir=run_dir, token_file=token_file, shm_dir=shm / host)
+            host: Sidecar(
+                name=host,
+                run_dir=run_dir,
+                token_file=token_file,
+                shm_dir=shm / host,
+                durable_dir=checkpoint_dir,
+            )
             for host in hosts
         }
         self.quorum_address = ""
@@ -129,14 +141,19 @@ class LocalStack:
         """Starts the quorum service (again, on the same port, after `stop_quorum`)."""
         config = self._quorum_config
         if port is not None:
-            config = QuorumConfig(
-                port=port,
-                admin_port=0,
-                heartbeat_timeout=config.heartbeat_timeout,
-                join_timeout=config.join_timeout,
-            )
-        self._quorum = QuorumServerThread(config, self._token)
+            config = dataclasses.replace(config, port=port)
+        # A fresh in-memory store each start, as after a real restart; its epochs begin above
+        # the wall clock so quorum ids never go back (I3).
+        store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
+        self._quorum = QuorumServerThread(config, self._token, store=store)
         self.quorum_address = self._quorum.start()
+
+    def restart_quorum(self) -> None:
+        """Stops the quorum service and starts a fresh one on the same port: with the in-memory
+        store it forgets every replica, which must rejoin by themselves."""
+        port = int(self.quorum_address.rsplit(":", 1)[1])
+        self.stop_quorum()
+        self.start_quorum(port=port)
 
     def stop_quorum(self) -> None:
         if self._quorum is not None:

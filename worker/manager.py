@@ -21,7 +21,12 @@ from datetime import timedelta
 
 import torch
 
-from services.quorum.client import QuorumClient, RankEndpoint, StaleIncarnationError
+from services.quorum.client import (
+    QuorumClient,
+    RankEndpoint,
+    StaleIncarnationError,
+    WatchStream,
+)
 from worker.config import ManagerConfig
 from worker.data import DataPositions
 from worker.exchange import GradientExchange
@@ -99,6 +104,7 @@ class Manager:
         self._pending: Future[bytes] | None = None
         self._plan: StepPlan | None = None
         self._stop = threading.Event()
+        self._watch_stream: WatchStream | None = None
         self._lock = threading.Lock()
         self._endpoints = self._gather_endpoints()
         self._incarnation = 0
@@ -311,7 +317,8 @@ class Manager:
         watcher = QuorumClient(self.config.quorum_address, self.config.token)
         while not self._stop.is_set():
             try:
-                for event in watcher.watch():
+                self._watch_stream = watcher.watch()
+                for event in self._watch_stream:
                     if self._stop.is_set():
                         break
                     plan = self._plan
@@ -378,6 +385,8 @@ class Manager:
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._watch_stream is not None:
+            self._watch_stream.cancel()
         if self.group.is_leader:
             try:
                 self._quorum.leave(self.config.replica_id, self._incarnation)

@@ -108,10 +108,10 @@ class InjectEvent:
 
     t: float
     """Unix seconds."""
-    replica: str
-    """Victim."""
+    replica: str | None
+    """Victim; None when the control plane itself was the target (mode quorum)."""
     mode: str
-    """process, replica or hang."""
+    """process, replica, hang or quorum."""
     rank: int | None
     """Victim rank, None for the whole replica."""
 
@@ -264,7 +264,7 @@ def parse_event(obj: Mapping[str, Any]) -> Event | None:
     if kind == "inject":
         return InjectEvent(
             t=t,
-            replica=_field(obj, "replica", str),
+            replica=_field(obj, "replica", str, None),
             mode=_field(obj, "mode", str),
             rank=_field(obj, "rank", int, None),
         )
@@ -493,9 +493,11 @@ def _merge(rows: list[dict[str, int]]) -> list[list[int]]:
     return merged
 
 
-def _exactly_once_violation(rows: list[dict[str, int]], samples_per_step: int) -> str | None:
-    """The first way `rows` (sorted by start) fails to tile [0, end) once, in step order."""
-    expected, last_step = 0, -1
+def _exactly_once_violation(
+    rows: list[dict[str, int]], samples_per_step: int, origin: int = 0
+) -> str | None:
+    """The first way `rows` (sorted by start) fails to tile [origin, end) once, in step order."""
+    expected, last_step = origin, -1
     for row in rows:
         where = f"step {row['step']} [{row['start']}, {row['end']})"
         if row["start"] > expected:
@@ -534,8 +536,15 @@ def _invariant_i2(
         first = ledger.inconsistencies[0]
         return {"ok": False, "detail": f"loggers disagree: {json.dumps(first, sort_keys=True)}"}
     sps = log.run.samples_per_step if log.run is not None else 0
+    # A job resumed from a durable checkpoint starts at the positions committed with it; the
+    # continuity with the earlier run is checked against that run's report.
+    starts = [
+        e.step for events in log.replicas.values() for e in events if isinstance(e, StartEvent)
+    ]
+    resumed = bool(starts) and min(starts) > 0
     for replica, rows in samples.items():
-        violation = _exactly_once_violation(rows, sps)
+        origin = rows[0]["start"] if resumed and rows else 0
+        violation = _exactly_once_violation(rows, sps, origin)
         if violation is not None:
             return {"ok": False, "detail": f"{replica}: {violation}"}
     trained = sum(r["end"] - r["start"] for rows in samples.values() for r in rows)
@@ -568,7 +577,29 @@ def _survivor_stall(log: RunLog, inject: InjectEvent, until: float, median: floa
     return None if worst is None else max(0.0, worst - median)
 
 
+def _control_plane_failure(
+    log: RunLog, inject: InjectEvent, median: float, t0: float
+) -> dict[str, Any]:
+    """A restart of the quorum service: no replica is evicted; what matters is how long the
+    replicas stalled and when the service formed a quorum again."""
+    back = next((q for q in log.of_type(QuorumEvent) if q.t > inject.t), None)
+    until = back.t if back else inject.t
+    stall = _survivor_stall(log, inject, until, median)
+    return {
+        "t": round(inject.t - t0, 3),
+        "replica": None,
+        "mode": inject.mode,
+        "rank": None,
+        "step": _step_at(log, inject.t),
+        "detection_s": None,
+        "survivor_stall_s": None if stall is None else round(stall, 3),
+        "time_to_healthy_s": None if back is None else round(back.t - inject.t, 3),
+    }
+
+
 def _failure(log: RunLog, inject: InjectEvent, median: float, t0: float) -> dict[str, Any]:
+    if inject.replica is None:
+        return _control_plane_failure(log, inject, median, t0)
     quorums = [q for q in log.of_type(QuorumEvent) if q.t > inject.t]
     evicted = next((q for q in quorums if inject.replica not in q.members), None)
     detection = None if evicted is None else evicted.t - inject.t

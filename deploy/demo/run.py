@@ -13,13 +13,15 @@ import random
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from deploy.demo.supervisor import KILL_MODES, EventLog, ReplicaCommand, Supervisor
 from deploy.stack import LocalStack
+from services.quorum.client import QuorumClient
+from worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,20 @@ class DemoConfig:
     """The quorum service evicts a replica whose leader was silent this long."""
     join_timeout: timedelta = timedelta(seconds=2)
     """How long a quorum waits for a live replica that has not asked yet (the stall bound)."""
+    min_replicas: int | None = None
+    """Smallest quorum; default a majority of `replicas`, so a minority never trains alone (I6)."""
+    restart_policy: str = "replica"
+    """replica: only a failed replica restarts; job: all restart from the last durable
+    checkpoint on any failure (the synchronous baseline that `bench.recovery` compares with)."""
     settle_timeout: timedelta = timedelta(seconds=90)
     """End phase: how long to wait for every replica to be healthy before stopping."""
     live: bool = True
     """Show the live terminal view."""
+    checkpoint_dir: Path | None = None
+    """Durable checkpoints and data positions (default `run_dir/checkpoints`); point a second
+    run at the first one's to resume it (a full restart)."""
+    faults: str = ""
+    """Planned rank deaths, `replica:rank:step:point,...` (see `worker.faults`), each once."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
@@ -64,46 +76,66 @@ class DemoConfig:
             raise ValueError("duration must be positive")
         if self.kill_every is not None and self.kill_every <= timedelta(0):
             raise ValueError("kill_every must be positive")
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError("min_replicas must be in 1..replicas")
+        if self.faults:
+            parse_faults(self.faults)
 
 
-@dataclass(slots=True)
 class _QuorumView:
-    """The latest quorum as pushed by the service's watch stream."""
+    """The latest quorum, from the service's watch stream and from polling its status (a round
+    that keeps its quorum id, such as a replica turning healthy, pushes no event)."""
 
-    quorum_id: int = -1
-    healthy: tuple[str, ...] = ()
-    max_step: int = 0
-    evictions: queue.SimpleQueue[str] = field(default_factory=queue.SimpleQueue)
+    def __init__(self, events: EventLog) -> None:
+        self._events = events
+        self._lock = threading.Lock()
+        self._key: tuple[object, ...] = ()
+        self.quorum_id = -1
+        self.healthy: tuple[str, ...] = ()
+        self.max_step = 0
+        self.evictions: queue.SimpleQueue[str] = queue.SimpleQueue()
 
-
-def _watch(stack: LocalStack, events: EventLog, view: _QuorumView, stop: threading.Event) -> None:
-    client = stack.quorum_client()
-    try:
-        for event in client.watch():
-            if stop.is_set():
+    def observe(self, client: QuorumClient) -> None:
+        """Reads the latest quorum and logs it when it changed."""
+        status = client.status(history_limit=1)
+        if not status.quorums:
+            return
+        latest = status.quorums[-1]
+        key = (latest.quorum_id, latest.members, latest.healthy)
+        with self._lock:
+            self.max_step = latest.max_step
+            if key == self._key:
                 return
-            if event.kind == "quorum":
-                status = client.status()
-                latest = status.quorums[-1] if status.quorums else None
-                if latest is None:
-                    continue
-                view.quorum_id = latest.quorum_id
-                view.healthy = tuple(latest.healthy)
-                view.max_step = latest.max_step
-                events.write(
-                    "quorum",
-                    quorum_id=latest.quorum_id,
-                    members=list(latest.members),
-                    healthy=list(latest.healthy),
-                    max_step=latest.max_step,
-                )
-            elif event.kind == "evicted" and event.replica_id:
-                view.evictions.put(event.replica_id)
-    except Exception as exc:
-        if not stop.is_set():
-            log.warning("quorum watch ended: %s", exc)
-    finally:
-        client.close()
+            self._key = key
+            self.quorum_id = latest.quorum_id
+            self.healthy = tuple(latest.healthy)
+            self._events.write(
+                "quorum",
+                quorum_id=latest.quorum_id,
+                members=list(latest.members),
+                healthy=list(latest.healthy),
+                max_step=latest.max_step,
+            )
+
+
+def _watch(stack: LocalStack, view: _QuorumView, stop: threading.Event) -> None:
+    """Follows the watch stream, reconnecting when the quorum service restarts."""
+    while not stop.is_set():
+        client = stack.quorum_client()
+        try:
+            view.observe(client)
+            for event in client.watch():
+                if stop.is_set():
+                    return
+                if event.kind == "quorum":
+                    view.observe(client)
+                elif event.kind == "evicted" and event.replica_id:
+                    view.evictions.put(event.replica_id)
+        except Exception as exc:
+            log.debug("quorum watch interrupted: %s", exc)
+        finally:
+            client.close()
+        stop.wait(0.2)
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
@@ -126,8 +158,10 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         run_dir=run_dir,
         token_file=token_file,
         hosts=replica_ids,
+        checkpoint_dir=config.checkpoint_dir or run_dir / "checkpoints",
         heartbeat_timeout=config.heartbeat_timeout,
         join_timeout=config.join_timeout,
+        min_replicas=config.min_replicas or config.replicas // 2 + 1,
     ) as stack:
         command = ReplicaCommand(
             run_dir=run_dir,
@@ -137,6 +171,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             checkpoint_urls={r: stack.sidecars[r].url for r in replica_ids},
             shm_dirs={r: str(stack.sidecars[r].shm_dir) for r in replica_ids},
             token_file=token_file,
+            env={"FTHSDP_FAULTS": config.faults, "FTHSDP_FAULTS_DIR": str(run_dir / "faults")},
             extra_args=(
                 "--micro-batch", str(config.micro_batch),
                 "--seed", str(config.seed),
@@ -144,7 +179,10 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             ),
         )  # fmt: skip
         supervisor = Supervisor(
-            command, events, on_failure=lambda rid, why: stack.report_failure(rid, why)
+            command,
+            events,
+            on_failure=lambda rid, why: stack.report_failure(rid, why),
+            restart_policy=config.restart_policy,
         )
         events.write(
             "run",
@@ -156,9 +194,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             samples_per_step=config.micro_batch * config.ranks,
             total_replicas=config.replicas,
         )
-        quorum = _QuorumView()
+        quorum = _QuorumView(events)
         watcher = threading.Thread(
-            target=_watch, args=(stack, events, quorum, stop), name="demo-watch", daemon=True
+            target=_watch, args=(stack, quorum, stop), name="demo-watch", daemon=True
         )
         watcher.start()
         live_view = LiveView(run_dir, [r.replica_id for r in supervisor.replicas])
@@ -169,8 +207,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             viewer.start()
         try:
             supervisor.start_all()
-            _train(config, supervisor, quorum, rng)
-            _settle(config, supervisor, quorum, run_dir)
+            driver = _Driver(config, stack, supervisor, quorum)
+            driver.train(rng)
+            driver.settle(run_dir)
         finally:
             supervisor.stop_all(grace=10.0)
             events.write("end")
@@ -182,45 +221,84 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     return report
 
 
-def _supervise(supervisor: Supervisor, quorum: _QuorumView) -> None:
-    while True:
-        try:
-            supervisor.evicted(quorum.evictions.get_nowait())
-        except queue.Empty:
-            break
-    supervisor.poll()
+class _Driver:
+    """The launcher's main loop: supervise, inject on schedule, then settle and stop."""
 
+    def __init__(
+        self,
+        config: DemoConfig,
+        stack: LocalStack,
+        supervisor: Supervisor,
+        quorum: _QuorumView,
+    ) -> None:
+        self.config = config
+        self.stack = stack
+        self.supervisor = supervisor
+        self.quorum = quorum
+        self._next_poll = 0.0
 
-def _train(
-    config: DemoConfig, supervisor: Supervisor, quorum: _QuorumView, rng: random.Random
-) -> None:
-    start = time.monotonic()
-    end = start + config.duration.total_seconds()
-    period = config.kill_every.total_seconds() if config.kill_every else None
-    next_kill = start + period if period else float("inf")
-    # No failures in the last stretch: the end phase needs every replica back.
-    last_kill = end - min(10.0, config.duration.total_seconds() / 4)
-    while time.monotonic() < end:
-        _supervise(supervisor, quorum)
+    def supervise(self) -> None:
+        """One tick: poll the quorum, replace evicted replicas, reap and restart processes."""
         now = time.monotonic()
-        if period and now >= next_kill:
-            if now < last_kill:
-                supervisor.inject(config.kill_mode, rng)
-            next_kill = now + period
-        time.sleep(0.05)
+        if now >= self._next_poll:
+            self._next_poll = now + 0.25
+            client = self.stack.quorum_client()
+            try:
+                self.quorum.observe(client)
+            except Exception as exc:  # the service may be restarting
+                log.debug("status poll failed: %s", exc)
+            finally:
+                client.close()
+        while True:
+            try:
+                self.supervisor.evicted(self.quorum.evictions.get_nowait())
+            except queue.Empty:
+                break
+        self.supervisor.poll()
 
+    def train(self, rng: random.Random) -> None:
+        """Runs for `duration`, injecting a failure every `kill_every`."""
+        config = self.config
+        start = time.monotonic()
+        end = start + config.duration.total_seconds()
+        period = config.kill_every.total_seconds() if config.kill_every else None
+        next_kill = start + period if period else float("inf")
+        # No failures in the last stretch: the end phase needs every replica back.
+        last_kill = end - min(10.0, config.duration.total_seconds() / 4)
+        while time.monotonic() < end:
+            self.supervise()
+            now = time.monotonic()
+            if now >= next_kill:
+                if now < last_kill:
+                    self._inject(rng)
+                next_kill = now + (period or float("inf"))
+            time.sleep(0.05)
 
-def _settle(config: DemoConfig, supervisor: Supervisor, quorum: _QuorumView, run_dir: Path) -> None:
-    """Waits until every replica is healthy, then has all of them stop at one agreed step."""
-    everyone = {r.replica_id for r in supervisor.replicas}
-    deadline = time.monotonic() + config.settle_timeout.total_seconds()
-    while time.monotonic() < deadline and set(quorum.healthy) != everyone:
-        _supervise(supervisor, quorum)
-        time.sleep(0.05)
-    stop_at = quorum.max_step + 3
-    (run_dir / "stop.json").write_text(json.dumps({"stop_at_step": stop_at}))
-    supervisor.stopping = True
-    deadline = time.monotonic() + config.settle_timeout.total_seconds()
-    while time.monotonic() < deadline and any(r.running for r in supervisor.replicas):
-        supervisor.poll()
-        time.sleep(0.05)
+    def _inject(self, rng: random.Random) -> None:
+        if self.config.kill_mode == "quorum":
+            self.supervisor.events.write("inject", replica=None, mode="quorum", rank=None)
+            self.stack.restart_quorum()
+        else:
+            self.supervisor.inject(self.config.kill_mode, rng)
+
+    def settle(self, run_dir: Path) -> None:
+        """Waits until every replica is healthy, then has all of them stop at one agreed step."""
+        everyone = {r.replica_id for r in self.supervisor.replicas}
+        deadline = time.monotonic() + self.config.settle_timeout.total_seconds()
+        while time.monotonic() < deadline and set(self.quorum.healthy) != everyone:
+            self.supervise()
+            time.sleep(0.05)
+        # A fresh read, plus a margin that outruns the write of stop.json at any step rate:
+        # every replica must still be below stop_at when it first sees the file.
+        client = self.stack.quorum_client()
+        try:
+            self.quorum.observe(client)
+        finally:
+            client.close()
+        stop_at = self.quorum.max_step + 50
+        (run_dir / "stop.json").write_text(json.dumps({"stop_at_step": stop_at}))
+        self.supervisor.stopping = True
+        deadline = time.monotonic() + self.config.settle_timeout.total_seconds()
+        while time.monotonic() < deadline and any(r.running for r in self.supervisor.replicas):
+            self.supervisor.poll()
+            time.sleep(0.05)

@@ -22,7 +22,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-KILL_MODES = ("process", "replica", "hang")
+RESTART_POLICIES = ("replica", "job")
+"""replica: only the failed replica restarts (FT-HSDP); job: every replica restarts from the last
+durable checkpoint on any failure (the synchronous-training baseline)."""
+
+KILL_MODES = ("process", "replica", "hang", "quorum")
+"""process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a whole replica;
+quorum: restart the (in-memory) quorum service."""
 
 
 class EventLog:
@@ -83,6 +89,8 @@ class ReplicaCommand:
     """Replica id → that sidecar's shared-memory directory."""
     token_file: Path
     """Bearer token file handed to every rank."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for every rank (fault plans)."""
     extra_args: tuple[str, ...] = ()
     """Further flags for `deploy.demo.train`."""
 
@@ -129,7 +137,11 @@ class Supervisor:
         *,
         on_failure: Any,
         restart_delay: float = 0.5,
+        restart_policy: str = "replica",
     ) -> None:
+        if restart_policy not in RESTART_POLICIES:
+            raise ValueError(f"restart_policy must be one of {RESTART_POLICIES}")
+        self._policy = restart_policy
         self.command = command
         self.events = events
         self._on_failure = on_failure
@@ -147,7 +159,7 @@ class Supervisor:
     def start(self, replica: Replica) -> None:
         port = free_port()
         replica.starts += 1
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **self.command.env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         out = (self._logs / f"{replica.replica_id}.log").open("ab")
         replica.procs = [
             subprocess.Popen(
@@ -165,7 +177,15 @@ class Supervisor:
             self.start(replica)
 
     def fail(self, replica: Replica, reason: str) -> None:
-        """Kills what is left of a replica, reports it, and schedules its restart."""
+        """Kills what is left of a replica (of every replica under the job policy), reports it,
+        and schedules the restart."""
+        victims = [replica]
+        if self._policy == "job":
+            victims += [r for r in self.replicas if r is not replica and r.running]
+        for victim in victims:
+            self._take_down(victim, reason)
+
+    def _take_down(self, replica: Replica, reason: str) -> None:
         for proc in replica.procs:
             if proc.poll() is None:
                 proc.kill()

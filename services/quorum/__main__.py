@@ -19,6 +19,7 @@ from typing import Any
 from services.common.tokens import Token, load_token
 from services.quorum.config import QuorumConfig
 from services.quorum.server import SERVICE_NAME, QuorumServer
+from services.quorum.store import InMemoryStore, clock_epoch_floor
 
 log = logging.getLogger("services.quorum")
 
@@ -85,7 +86,10 @@ def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> QuorumCo
 
 async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
     """Runs the server until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
-    server = QuorumServer(config, token)
+    # The in-memory store starts its epochs above the wall clock so that a restarted service
+    # never reissues an id the previous one handed out (I3 without a durable store).
+    store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
+    server = QuorumServer(config, token, store=store)
     await server.start()
     print(_banner(server), file=out or sys.stdout, flush=True)
     stop = asyncio.Event()

@@ -154,7 +154,7 @@ class Coordinator:
     async def start(self, *, sweep: bool = True) -> None:
         """Restores epochs and membership from the store and starts the expiry task."""
         last = await self._store.last_quorum()
-        self._state = CoreState(last=last)
+        self._state = CoreState(last=last, epoch_floor=await self._store.epoch_floor())
         now = self._clock()
         for reg in await self._store.members():
             self._state.register(reg, now)  # a fresh heartbeat timeout to show up

@@ -201,7 +201,7 @@ class CoreState:
         "waiting",
     )
 
-    def __init__(self, *, last: QuorumRecord | None = None) -> None:
+    def __init__(self, *, last: QuorumRecord | None = None, epoch_floor: int = 0) -> None:
         self.registered: dict[str, Registration] = {}
         self.issued: dict[str, int] = {}
         self.last_seen: dict[str, float] = {}
@@ -211,7 +211,7 @@ class CoreState:
         self.previous: QuorumRecord | None = last
         self.expected: set[str] = set()
         self.expected_waiting = 0
-        self.last_quorum_id = last.quorum_id if last else 0
+        self.last_quorum_id = max(last.quorum_id if last else 0, epoch_floor)
         self.rounds = last.round if last else 0
         self.round_started: float | None = None
 

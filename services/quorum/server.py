@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["QuorumService"].full_name
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_MAX_PENDING_CALLS = 16384
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Join with 4096 ranks x 2 x 256 chars fits many times
 
 ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
@@ -310,6 +311,11 @@ class QuorumServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.so_reuseport", 0),
+                # Every replica leader holds a long poll open, and all of a round's next asks
+                # arrive together: with the default (1000 calls not yet picked up by the event
+                # loop) grpc-core starts cancelling new calls at ~1000 replicas.
+                ("grpc.server_max_pending_requests", _MAX_PENDING_CALLS),
+                ("grpc.server_max_pending_requests_hard_limit", 2 * _MAX_PENDING_CALLS),
             ],
         )
         server.add_generic_rpc_handlers(

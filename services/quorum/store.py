@@ -14,6 +14,7 @@ through a lease cannot regress it):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Protocol
 
@@ -47,15 +48,31 @@ class QuorumStore(Protocol):
         """The last saved quorum, if any."""
         ...
 
+    async def epoch_floor(self) -> int:
+        """A quorum id that every id this service issues must exceed (0: no floor beyond the
+        last saved quorum)."""
+        ...
+
     async def history(self, limit: int) -> list[QuorumRecord]:
         """Up to `limit` most recent quorums, oldest first."""
         ...
 
 
+def clock_epoch_floor() -> int:
+    """Milliseconds since the Unix epoch: the epoch floor of a fresh in-memory store.
+
+    A restarted in-memory service forgets its last quorum id; starting above the wall clock in
+    milliseconds keeps ids growing across restarts (I3) as long as the previous life issued fewer
+    than one id per millisecond and the clock did not step back. The Redis store persists the
+    id instead and needs no floor."""
+    return time.time_ns() // 1_000_000
+
+
 class InMemoryStore:
     """The embedded default: everything in this process (a restart forgets it)."""
 
-    def __init__(self, *, history_size: int = 128) -> None:
+    def __init__(self, *, history_size: int = 128, epoch_floor: int = 0) -> None:
+        self._epoch_floor = epoch_floor
         self._incarnations: dict[str, int] = {}
         self._members: dict[str, Registration] = {}
         self._history: deque[QuorumRecord] = deque(maxlen=history_size)
@@ -87,6 +104,9 @@ class InMemoryStore:
 
     async def last_quorum(self) -> QuorumRecord | None:
         return self._history[-1] if self._history else None
+
+    async def epoch_floor(self) -> int:
+        return self._epoch_floor
 
     async def history(self, limit: int) -> list[QuorumRecord]:
         items = list(self._history)
