@@ -71,6 +71,10 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )  # fmt: skip
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the view")
     p.add_argument(
+        "--fsdp", action="store_true",
+        help="shard each replica over its ranks with FSDP2 (HSDP) instead of replicating it",
+    )  # fmt: skip
+    p.add_argument(
         "--restart-policy", choices=RESTART_POLICIES, default="replica",
         help="replica: only the failed replica restarts (default); job: every replica restarts "
         "from the last durable checkpoint (the synchronous baseline)",
@@ -110,6 +114,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         faults=args.faults,
         min_replicas=args.min_replicas,
         restart_policy=args.restart_policy,
+        fsdp=args.fsdp,
     )
     report = run_demo(config)
     if args.report:

@@ -1,10 +1,16 @@
 """The cross-replica gradient exchange of one rank (DESIGN.md step 3).
 
-The replica's gradient (its ranks' gradients summed inside the replica) is kept intact in flat
-buffers, one per dtype; each attempt exchanges a *copy* of this rank's slice, so a failed exchange
-is retried on a new ring without recomputing forward and backward. Rank i of the replica owns
-slice i of every buffer and exchanges it on ring i; the slices are then gathered inside the
-replica, so each FTAR ring moves 1/W of the gradient (the HSDP layout)."""
+The replica's gradient is kept intact in flat buffers, one per dtype; each attempt exchanges a
+*copy*, so a failed exchange is retried on a new ring without recomputing forward and backward.
+Two layouts inside a replica:
+
+- replicated (DDP-style): every rank holds the whole gradient of its micro-batch. The ranks sum it
+  inside the replica; rank i then owns slice i of every buffer and exchanges it on ring i, and
+  the averaged slices are gathered back inside the replica.
+- sharded (FSDP2 `fully_shard`, HSDP): FSDP has already reduce-scattered the gradient inside the
+  replica, so rank i holds shard i and exchanges exactly that shard on ring i.
+
+Either way each FTAR ring moves 1/W of the gradient."""
 
 from __future__ import annotations
 
@@ -12,16 +18,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from worker.ftar import FtarRing, FtarWork, RecoverableFtarError
 from worker.replica_group import ReplicaGroup
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (this rank's part) shaped like `param`: a DTensor with the same sharding if it is."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    return value
 
 
 @dataclass(slots=True)
 class _Flat:
     params: list[torch.nn.Parameter]
     replica: torch.Tensor
-    """Sum of the replica's local gradients; intact across retries."""
+    """The replica's gradient (replicated layout: summed over its ranks); intact across retries."""
     result: torch.Tensor
     """The averaged gradient of the current attempt."""
 
@@ -32,16 +53,21 @@ class GradientExchange:
     def __init__(
         self, params: Sequence[torch.nn.Parameter], group: ReplicaGroup, *, bucket_bytes: int
     ) -> None:
+        trainable = [p for p in params if p.requires_grad]
+        kinds = {isinstance(p, DTensor) for p in trainable}
+        if len(kinds) > 1:
+            raise ValueError("mix of sharded (DTensor) and plain parameters is not supported")
+        self.sharded = kinds == {True}
         self._group = group
         self._bucket_bytes = bucket_bytes
+        self._parts = 1 if self.sharded else group.world_size
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in params:
-            if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
+        for p in trainable:
+            by_dtype.setdefault(p.dtype, []).append(p)
         self._flats: list[_Flat] = []
         for dtype, group_params in by_dtype.items():
-            numel = sum(p.numel() for p in group_params)
-            padded = -(-numel // group.world_size) * group.world_size
+            numel = sum(local(p).numel() for p in group_params)
+            padded = -(-numel // self._parts) * self._parts
             self._flats.append(
                 _Flat(
                     params=group_params,
@@ -50,23 +76,22 @@ class GradientExchange:
                 )
             )
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one full gradient."""
-        return sum(f.replica.numel() * f.replica.element_size() for f in self._flats)
-
     def capture(self) -> None:
-        """Copies local gradients into the replica buffers and sums them inside the replica."""
+        """Copies local gradients into the replica buffers (replicated: summed over the ranks)."""
         for flat in self._flats:
             offset = 0
             for p in flat.params:
-                n = p.numel()
+                n = local(p).numel()
                 if p.grad is None:
                     flat.replica[offset : offset + n].zero_()
                 else:
-                    flat.replica[offset : offset + n].copy_(p.grad.reshape(-1))
+                    flat.replica[offset : offset + n].copy_(local(p.grad).reshape(-1))
                 offset += n
-            self._group.sum_(flat.replica)
+            if not self.sharded:
+                self._group.sum_(flat.replica)
+
+    def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(self._parts)[self._group.rank] if self._parts > 1 else tensor
 
     def _buckets(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         per_bucket = max(1, self._bucket_bytes // tensor.element_size())
@@ -81,13 +106,13 @@ class GradientExchange:
         timeout: float,
         launched: Callable[[], None] | None = None,
     ) -> RecoverableFtarError | None:
-        """Averages this rank's slice across the ring; returns the latched error, if any.
+        """Averages this rank's part across the ring; returns the latched error, if any.
 
         Fatal FTAR errors (bad arguments, layout mismatch) propagate: retrying cannot fix them."""
         works: list[FtarWork] = []
         for flat in self._flats:
-            mine = flat.result.chunk(self._group.world_size)[self._group.rank]
-            mine.copy_(flat.replica.chunk(self._group.world_size)[self._group.rank])
+            mine = self._mine(flat.result)
+            mine.copy_(self._mine(flat.replica))
             for bucket in self._buckets(mine):
                 works.append(
                     ring.allreduce(
@@ -105,18 +130,19 @@ class GradientExchange:
         return error
 
     def apply(self) -> None:
-        """Gathers the averaged slices inside the replica and writes them into `.grad`."""
-        scale = 1.0 / self._group.world_size
+        """Writes the averaged gradient into `.grad` (replicated: gathered inside the replica)."""
         for flat in self._flats:
-            self._group.gather_slices_(flat.result)
-            if self._group.world_size > 1:
-                flat.result.mul_(scale)
+            if not self.sharded:
+                self._group.gather_slices_(flat.result)
+                if self._group.world_size > 1:
+                    flat.result.mul_(1.0 / self._group.world_size)
             offset = 0
             for p in flat.params:
-                n = p.numel()
-                grad = flat.result[offset : offset + n].view_as(p)
+                target = local(p)
+                n = target.numel()
+                grad = flat.result[offset : offset + n].view_as(target)
                 if p.grad is None:
-                    p.grad = grad.clone()
+                    p.grad = _like(p, grad.clone())
                 else:
-                    p.grad.copy_(grad)
+                    local(p.grad).copy_(grad)
                 offset += n

@@ -10,6 +10,7 @@ gradient and is identical to them (I1)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -367,8 +368,10 @@ class Manager:
         )
 
     def fingerprint(self) -> str:
-        """sha256 of the parameters and optimizer state: equal on every healthy replica (I1)."""
-        return fingerprint(self._snapshot())
+        """sha256 of the replica's parameters and optimizer state (every rank's part, in rank
+        order): equal on every healthy replica (I1). A collective: every rank must call it."""
+        parts = self.group.all_gather_bytes(fingerprint(self._snapshot()).encode())
+        return hashlib.sha256(b"|".join(parts)).hexdigest()
 
     def _context(self, **fields: object) -> dict[str, object]:
         return {

@@ -18,7 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from deploy.demo.supervisor import KILL_MODES, EventLog, ReplicaCommand, Supervisor
+from deploy.demo.eventlog import EventLog
+from deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
 from deploy.stack import LocalStack
 from services.quorum.client import QuorumClient
 from worker.faults import parse_faults
@@ -54,6 +55,8 @@ class DemoConfig:
     """How long a quorum waits for a live replica that has not asked yet (the stall bound)."""
     min_replicas: int | None = None
     """Smallest quorum; default a majority of `replicas`, so a minority never trains alone (I6)."""
+    fsdp: bool = False
+    """Shard each replica's model over its ranks with FSDP2 (HSDP) instead of replicating it."""
     restart_policy: str = "replica"
     """replica: only a failed replica restarts; job: all restart from the last durable
     checkpoint on any failure (the synchronous baseline that `bench.recovery` compares with)."""
@@ -176,6 +179,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 "--micro-batch", str(config.micro_batch),
                 "--seed", str(config.seed),
                 "--durable-every-steps", str(config.durable_every_steps),
+                *(("--fsdp",) if config.fsdp else ()),
             ),
         )  # fmt: skip
         supervisor = Supervisor(
@@ -279,7 +283,9 @@ class _Driver:
             self.supervisor.events.write("inject", replica=None, mode="quorum", rank=None)
             self.stack.restart_quorum()
         else:
-            self.supervisor.inject(self.config.kill_mode, rng)
+            # Only replicas in the current quorum: one that has not joined yet would never be
+            # evicted (nobody knows it), and a hang of it would go unnoticed.
+            self.supervisor.inject(self.config.kill_mode, rng, eligible=set(self.quorum.healthy))
 
     def settle(self, run_dir: Path) -> None:
         """Waits until every replica is healthy, then has all of them stop at one agreed step."""
@@ -296,9 +302,17 @@ class _Driver:
         finally:
             client.close()
         stop_at = self.quorum.max_step + 50
-        (run_dir / "stop.json").write_text(json.dumps({"stop_at_step": stop_at}))
+        # Atomic: a rank must never read a half-written file (it would train past stop_at
+        # alone, waiting for a quorum that never comes).
+        staging = run_dir / "stop.json.tmp"
+        staging.write_text(json.dumps({"stop_at_step": stop_at}))
+        staging.replace(run_dir / "stop.json")
         self.supervisor.stopping = True
         deadline = time.monotonic() + self.config.settle_timeout.total_seconds()
         while time.monotonic() < deadline and any(r.running for r in self.supervisor.replicas):
             self.supervisor.poll()
+            if any(not r.running for r in self.supervisor.replicas):
+                # Replicas stop in lockstep; one that has not followed the first within a
+                # grace period is stuck waiting for a quorum that will not form again.
+                deadline = min(deadline, time.monotonic() + 15.0)
             time.sleep(0.05)

@@ -6,7 +6,6 @@ stop waiting for it, and starts the replica again as a new incarnation."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.demo.eventlog import EventLog
+
 log = logging.getLogger(__name__)
 
 RESTART_POLICIES = ("replica", "job")
@@ -29,21 +30,6 @@ durable checkpoint on any failure (the synchronous-training baseline)."""
 KILL_MODES = ("process", "replica", "hang", "quorum")
 """process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a whole replica;
 quorum: restart the (in-memory) quorum service."""
-
-
-class EventLog:
-    """The supervisor's JSON-lines log (the format `deploy.demo.report` reads)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
-
-    def write(self, event: str, **fields: Any) -> None:
-        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def free_port() -> int:
@@ -214,9 +200,16 @@ class Supervisor:
             if replica.restart_at is not None and now >= replica.restart_at and not self.stopping:
                 self.start(replica)
 
-    def inject(self, mode: str, rng: random.Random) -> str | None:
-        """Breaks one running replica on purpose; returns its id (None if none was running)."""
-        candidates = [r for r in self.replicas if r.running and not r.hung]
+    def inject(
+        self, mode: str, rng: random.Random, *, eligible: set[str] | None = None
+    ) -> str | None:
+        """Breaks one running replica (among `eligible` ids, if given) on purpose; returns its
+        id, or None if no replica qualified."""
+        candidates = [
+            r
+            for r in self.replicas
+            if r.running and not r.hung and (eligible is None or r.replica_id in eligible)
+        ]
         if not candidates:
             return None
         replica = rng.choice(candidates)

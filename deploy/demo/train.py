@@ -13,14 +13,13 @@ import logging
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from deploy.demo.corpus import CharDataset
+from deploy.demo.eventlog import EventLog
 from deploy.demo.model import TinyGPTConfig, build_model
 from services.common.tokens import load_token
 from worker.config import ManagerConfig
@@ -66,19 +65,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON {'stop_at_step': N} written by the launcher: train until step N, then exit",
     )
     p.add_argument("--max-steps", type=int, default=1_000_000, help="hard cap on steps")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model over the replica's ranks with FSDP2 (HSDP); default: replicate",
+    )
     return p.parse_args(argv)
 
 
-class EventLog:
-    """Appends one JSON object per line; each line is written with a single write call."""
+def shard_replica(model: torch.nn.Module, group: ReplicaGroup) -> None:
+    """FSDP2 inside the replica: each block, then the root, sharded over the replica's ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
-
-    def write(self, event: str, **fields: Any) -> None:
-        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
-        self._file.flush()
+    if group.world_size == 1:
+        return  # nothing to shard over
+    mesh = init_device_mesh("cpu", (group.world_size,))
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _stop_at(stop_file: Path | None) -> int:
@@ -100,13 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     token = load_token(path=args.token_file).value
     dataset = CharDataset()
     model = build_model(TinyGPTConfig(vocab_size=dataset.vocab_size), seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     group = ReplicaGroup.init(
         rank=args.rank,
         world_size=args.world_size,
         init_method=args.init_method or "",
         timeout=timedelta(seconds=60),
     )
+    if args.fsdp:
+        shard_replica(model, group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     events = (
         EventLog(args.run_dir / "replicas" / f"{args.replica_id}.jsonl")
         if group.is_leader
@@ -185,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         last_loss = float(loss.item())
         manager.finish_step()
+    final_fingerprint = manager.fingerprint()  # a collective over the replica's ranks
     if events is not None:
         events.write(
-            "final", replica=args.replica_id, step=manager.step, fingerprint=manager.fingerprint()
+            "final", replica=args.replica_id, step=manager.step, fingerprint=final_fingerprint
         )
     manager.shutdown()
     group.close()

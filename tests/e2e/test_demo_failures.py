@@ -139,3 +139,15 @@ def test_full_restart_resumes_from_the_durable_checkpoint(demo: DemoRunner, tmp_
         ]
         second_ranges = entry["samples"]
         assert second_ranges[0]["start"] == first_ranges[-1]["end"], replica
+
+
+def test_hsdp_with_fsdp2_inside_replicas_survives_kills(demo: DemoRunner) -> None:
+    """HSDP: each replica shards its model over 2 ranks with FSDP2; rank i's FTAR ring carries
+    shard i. Kills of single ranks still leave identical replicas (I1) and exactly-once data
+    (I2)."""
+    report = demo(
+        ranks=2, fsdp=True, duration=timedelta(seconds=25), kill_every=timedelta(seconds=10)
+    )
+    _assert_i1_i2(report)
+    assert report["failures"]
+    assert all(f["time_to_healthy_s"] is not None for f in report["failures"])
