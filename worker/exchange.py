@@ -104,11 +104,15 @@ class GradientExchange:
         contribute: bool,
         num_contributors: int,
         timeout: float,
-        launched: Callable[[], None] | None = None,
+        starting: Callable[[], None] | None = None,
     ) -> RecoverableFtarError | None:
         """Averages this rank's part across the ring; returns the latched error, if any.
 
-        Fatal FTAR errors (bad arguments, layout mismatch) propagate: retrying cannot fix them."""
+        `starting` runs once the ring is up, right before the first bucket goes out (fault
+        injection: a rank dying there leaves its peers mid-exchange). Fatal FTAR errors (bad
+        arguments, layout mismatch) propagate: retrying cannot fix them."""
+        if starting is not None:
+            starting()
         works: list[FtarWork] = []
         for flat in self._flats:
             mine = self._mine(flat.result)
@@ -119,8 +123,6 @@ class GradientExchange:
                         [bucket], contribute=contribute, num_contributors=num_contributors
                     )
                 )
-        if launched is not None:
-            launched()
         error: RecoverableFtarError | None = None
         for work in works:
             try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POINTS = ("exchange", "fetch", "serve", "commit")
-"""exchange: after this rank's FTAR works started, before they finish; fetch: while catching up;
+"""exchange: with the ring up, as the exchange starts (the peers are left mid-exchange); fetch: while catching up;
 serve: right after publishing a snapshot for a recovering peer; commit: after the vote, before
 the optimizer step."""
 

@@ -32,7 +32,7 @@ from worker.config import ManagerConfig
 from worker.data import DataPositions
 from worker.exchange import GradientExchange
 from worker.faults import FaultPlan
-from worker.ftar import FtarConfig, FtarRing
+from worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
 from worker.peer_state import PeerState, StateFetchError
 from worker.plan import StepPlan, decode_plan, encode_failure, encode_quorum
 from worker.replica_group import ReplicaGroup
@@ -166,6 +166,8 @@ class Manager:
             outcome = self._attempt(plan, attempt, seconds)
             if outcome is not None:
                 seconds["total"] = time.monotonic() - began
+                if self._on_commit is not None:
+                    self._on_commit(outcome)
                 return outcome
             if self.group.is_leader:
                 self._pending = self._executor.submit(self._request_quorum, True)
@@ -177,11 +179,18 @@ class Manager:
     def _attempt(
         self, plan: StepPlan, attempt: int, seconds: dict[str, float]
     ) -> StepOutcome | None:
-        self._ensure_ring(plan)
         if plan.max_step < self.step:
             raise RuntimeError(
                 f"quorum max_step {plan.max_step} is behind this replica's {self.step}"
             )
+        try:
+            self._ensure_ring(plan)
+        except RecoverableFtarError as exc:
+            # A peer vanished (or the watch aborted us) while connecting: this attempt fails,
+            # but the vote still happens, so the replica's ranks stay in step.
+            log.warning("ring rebuild failed: %s", exc, extra=self._context())
+            self.group.all_agree(False)
+            return None
         recovering = self.step < plan.max_step
         fetch: Future[tuple[dict[str, torch.Tensor], dict[str, str | int]]] | None = None
         if recovering:
@@ -196,7 +205,7 @@ class Manager:
             contribute=not recovering,
             num_contributors=plan.num_healthy,
             timeout=self.config.exchange_timeout.total_seconds(),
-            launched=lambda: self._faults.hit("exchange", self.step),
+            starting=lambda: self._faults.hit("exchange", self.step),
         )
         seconds["exchange"] += time.monotonic() - t0
         fetched = None
@@ -248,8 +257,6 @@ class Manager:
             attempts=attempt,
             seconds=seconds,
         )
-        if self._on_commit is not None:
-            self._on_commit(outcome)
         return outcome
 
     # ---- quorum --------------------------------------------------------------------------

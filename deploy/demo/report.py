@@ -12,6 +12,7 @@ event with a wrongly typed field is a writer bug and raises `ValueError` naming 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import statistics
@@ -157,6 +158,15 @@ class QuorumEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RollbackEvent:
+    """The whole job restarted from its last durable checkpoint (restart policy `job`): steps
+    committed before it may be trained again, and the later commits are the history."""
+
+    t: float
+    """Unix seconds."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EndEvent:
     """The launcher ended the run."""
 
@@ -165,7 +175,9 @@ class EndEvent:
 
 
 ReplicaEvent = StartEvent | CommitEvent | FinalEvent
-SupervisorEvent = RunEvent | InjectEvent | ExitEvent | RestartEvent | QuorumEvent | EndEvent
+SupervisorEvent = (
+    RunEvent | InjectEvent | ExitEvent | RestartEvent | QuorumEvent | RollbackEvent | EndEvent
+)
 Event = ReplicaEvent | SupervisorEvent
 
 _MISSING: Any = object()
@@ -287,6 +299,8 @@ def parse_event(obj: Mapping[str, Any]) -> Event | None:
         )
     if kind == "end":
         return EndEvent(t=t)
+    if kind == "rollback":
+        return RollbackEvent(t=t)
     return None
 
 
@@ -440,15 +454,28 @@ class _Ledger:
     """(step, contributing replica) → [start, end) shard positions."""
     inconsistencies: list[dict[str, Any]] = field(default_factory=list)
     """Loggers disagreeing about a step's contributors or a contributor's range."""
+    rolled_back: int = 0
+    """Replica-steps committed, then thrown away by a rollback to a durable checkpoint."""
 
 
 def _ledger(log: RunLog) -> _Ledger:
     ledger = _Ledger()
     # Every replica that commits a step logs the same `trained` map, so any logger is a witness
     # for every contributor; keeping the first witness and comparing the rest finds disagreement.
+    # After a rollback only the latest generation of a step is history.
+    rollbacks = sorted(e.t for e in log.of_type(RollbackEvent))
+    commits = log.commits()
+    generation = {id(c): bisect.bisect_right(rollbacks, c.t) for c in commits}
+    latest: dict[int, int] = {}
+    for c in commits:
+        latest[c.step] = max(latest.get(c.step, 0), generation[id(c)])
+    stale = [c for c in commits if generation[id(c)] < latest[c.step]]
+    ledger.rolled_back = len({(c.step, r) for c in stale for r in c.trained})
     witness: dict[tuple[int, str], str] = {}
     contributors: dict[int, tuple[str, frozenset[str]]] = {}
-    for c in log.commits():
+    for c in commits:
+        if generation[id(c)] < latest[c.step]:
+            continue
         seen = contributors.setdefault(c.step, (c.replica, frozenset(c.trained)))
         if seen[1] != frozenset(c.trained):
             ledger.inconsistencies.append(
@@ -691,6 +718,7 @@ def analyse(log: RunLog) -> dict[str, Any]:
         "summary": {
             "steps_committed": len(steps),
             "useful_replica_steps": len(ledger.spans),
+            "rolled_back_replica_steps": ledger.rolled_back,
             "possible_replica_steps": possible,
             "wall_time_s": round(wall, 3),
             "median_step_s": round(median, 4),

@@ -266,12 +266,16 @@ class _Driver:
         start = time.monotonic()
         end = start + config.duration.total_seconds()
         period = config.kill_every.total_seconds() if config.kill_every else None
-        next_kill = start + period if period else float("inf")
+        # The schedule starts once every replica trained: a kill during start-up tests nothing.
+        next_kill = float("inf")
+        everyone = {r.replica_id for r in self.supervisor.replicas}
         # No failures in the last stretch: the end phase needs every replica back.
         last_kill = end - min(10.0, config.duration.total_seconds() / 4)
         while time.monotonic() < end:
             self.supervise()
             now = time.monotonic()
+            if period and next_kill == float("inf") and set(self.quorum.healthy) == everyone:
+                next_kill = now + period
             if now >= next_kill:
                 if now < last_kill:
                     self._inject(rng)

@@ -168,6 +168,7 @@ class Supervisor:
         victims = [replica]
         if self._policy == "job":
             victims += [r for r in self.replicas if r is not replica and r.running]
+            self.events.write("rollback", replica=replica.replica_id)
         for victim in victims:
             self._take_down(victim, reason)
 
@@ -232,10 +233,11 @@ class Supervisor:
         return replica.replica_id
 
     def evicted(self, replica_id: str) -> None:
-        """The quorum service evicted a replica: if its processes still exist, replace them."""
+        """The quorum service evicted a replica. A hung one (the injector stopped it) is
+        replaced; a live one that was merely slow rejoins by itself as a new incarnation."""
         replica = self.by_id(replica_id)
-        if replica is not None and replica.running and not self.stopping:
-            self.fail(replica, "evicted by the quorum service")
+        if replica is not None and replica.running and replica.hung and not self.stopping:
+            self.fail(replica, "hung: evicted by the quorum service")
 
     def stop_all(self, grace: float) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds."""

@@ -30,6 +30,8 @@ from worker.replica_group import ReplicaGroup
 
 log = logging.getLogger("fthsdp.demo")
 
+STOP_CHECK_STEPS = 10
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ
@@ -179,11 +181,17 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     last_loss: float | None = None
+    stop_at = -1
     while manager.step < args.max_steps and not terminate:
-        stop = group.broadcast_bytes(
-            str(_stop_at(args.stop_file)).encode() if group.is_leader else None
-        )
-        if 0 <= int(stop) <= manager.step:
+        # The leader reads the launcher's stop file every STOP_CHECK_STEPS steps and tells its
+        # ranks (the launcher leaves a wider margin), keeping the per-step collectives few.
+        if manager.step % STOP_CHECK_STEPS == 0:
+            stop_at = int(
+                group.broadcast_bytes(
+                    str(_stop_at(args.stop_file)).encode() if group.is_leader else None
+                )
+            )
+        if 0 <= stop_at <= manager.step:
             break
         manager.start_step()
         (x, y), _ids = loader.next_batch()

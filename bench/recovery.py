@@ -1,0 +1,615 @@
+"""What failures cost under FT-HSDP vs a synchronous whole-job restart, and what fault tolerance
+costs when nothing fails.
+
+    python -m bench.recovery --replicas 3 --ranks 2 --duration-s 60 --kill-every-s 15 \
+        --kill-mode process --seed 0 --json bench-recovery.json
+
+Runs the demo job (`deploy.demo.run.run_demo`, real processes and real kills) several times in one
+invocation, so every comparison is between runs measured side by side on the same machine:
+
+1. `fthsdp`: failures on a schedule, restart policy "replica" (only the failed replica restarts and
+   catches up from its peers): detection (kill → a quorum without the victim), the survivors'
+   stall and the time until the victim commits again; median and max over the failures.
+2. `baseline`: the same schedule (seed, duration, period, mode) under restart policy "job" (every
+   replica restarts from the last durable checkpoint on any failure).
+3. `faultfree`: the same duration without failures; its committed replica-steps per second over
+   the span from the first to the last commit is the fault-free rate.
+4. Effective training time in time, not steps: ETT = useful replica-steps / (fault-free rate ×
+   the run's training span). Useful replica-steps are the report's distinct (step, contributing
+   replica) pairs, so work a rollback threw away is not counted twice. The training span runs from
+   the first to the last commit, which leaves out process start and shutdown (the same for every
+   policy) but keeps every restart, catch-up and the end phase's wait for all replicas. The variant
+   over the report's wall time (launch → end, start-up included) is in the JSON too, as is the
+   report's own replica-step ratio.
+5. Fault-free overhead: the median commit interval of the fault-free run (per replica, warm-up
+   skipped) against plain torch DDP over gloo with replicas × ranks processes in one group, same
+   model, seed, micro-batch and sampling (`bench.ddp_baseline`), run right before and right after
+   the fault-free run so load drift hits both sides alike.
+
+Prints a table next to the targets of DESIGN.md and writes JSON with every number, the command
+line, the machine (CPUs, load average) and the settings. Not a pass/fail test: on a small shared
+machine the absolute numbers move with the load; the ratios are what to read."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from bench.ddp_baseline import run_ddp
+from deploy.demo.report import CommitEvent, RestartEvent, RunLog
+from deploy.demo.run import DemoConfig, run_demo
+
+log = logging.getLogger("bench.recovery")
+
+TARGET_DETECTION_S = 1.0
+"""DESIGN.md: failure → new quorum within 1 s."""
+TARGET_STALL_EXTRA_S = 1.0
+"""DESIGN.md: survivors stall at most one step + 1 s per failure."""
+TARGET_OVERHEAD = 1.02
+"""DESIGN.md: control-plane overhead on a fault-free step ≤ 2% over plain DDP/gloo."""
+FAILURE_METRICS = ("detection_s", "survivor_stall_s", "time_to_healthy_s")
+PHASE_KEYS = ("quorum", "exchange", "fetch", "commit")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=3, help="replicas (units of failure)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks per replica")
+    p.add_argument("--duration-s", type=float, default=60.0, help="training seconds per run")
+    p.add_argument("--kill-every-s", type=float, default=15.0, help="seconds between failures")
+    p.add_argument(
+        "--kill-mode", default="process", choices=("process", "replica", "hang"), help="fault kind"
+    )
+    p.add_argument("--seed", type=int, default=0, help="failure schedule and model seed")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step")
+    p.add_argument(
+        "--warmup-steps", type=int, default=20, help="commits per replica left out of step times"
+    )
+    p.add_argument("--ddp-steps", type=int, default=300, help="measured DDP steps per DDP run")
+    p.add_argument("--ddp-warmup", type=int, default=30, help="unmeasured DDP steps first")
+    p.add_argument("--json", type=Path, help="write every number here")
+    p.add_argument(
+        "--work-dir", type=Path, help="run directories go under it (default: a new temp dir)"
+    )
+    args = p.parse_args(argv)
+    if args.replicas < 2:
+        p.error("--replicas must be >= 2 (one must survive a failure)")
+    if args.ranks < 1 or args.micro_batch < 1 or args.ddp_steps < 1:
+        p.error("--ranks, --micro-batch and --ddp-steps must be >= 1")
+    if args.duration_s <= 0 or args.kill_every_s <= 0:
+        p.error("--duration-s and --kill-every-s must be positive")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine and helpers
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_start": _load(),
+    }
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "median": None, "max": None, "p90": None}
+    ordered = sorted(values)
+    return {
+        "n": len(values),
+        "median": statistics.median(ordered),
+        "max": ordered[-1],
+        "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+# ---------------------------------------------------------------------------------------------
+# One demo run and its analysis
+
+
+def _step_times(log_: RunLog, warmup: int) -> dict[str, Any]:
+    """Commit intervals of consecutive steps of one replica (a restart or rollback breaks the
+    chain), each with the phase seconds its commit line reported; the first `warmup` commits of
+    every replica are left out."""
+    intervals: list[float] = []
+    phases: dict[str, list[float]] = {k: [] for k in (*PHASE_KEYS, "rest")}
+    for replica in log_.replicas:
+        commits = log_.commits(replica)[warmup:]
+        for a, b in itertools.pairwise(commits):
+            if b.step != a.step + 1 or b.t <= a.t:
+                continue
+            gap = b.t - a.t
+            intervals.append(gap)
+            inside = 0.0
+            for key in PHASE_KEYS:
+                value = b.seconds.get(key, 0.0)
+                phases[key].append(value)
+                inside += value
+            # Data, forward, backward, the intra-replica sum, the optimizer step and logging.
+            phases["rest"].append(max(0.0, gap - inside))
+    return {
+        "interval_s": _stats(intervals),
+        "phase_median_s": {k: statistics.median(v) if v else None for k, v in phases.items()},
+    }
+
+
+def _failures(report: dict[str, Any], first_commit_rel: float | None) -> dict[str, Any]:
+    """Median and max per metric over the failures injected after the first commit; the demo's
+    schedule counts from launch, so a kill can land while ranks still import torch, before the
+    replica ever joined: nothing to detect and no survivors yet. Those are counted, not mixed in
+    (the `all_*` entries include them)."""
+    failures = report.get("failures", [])
+    start = first_commit_rel if first_commit_rel is not None else float("inf")
+    training = [f for f in failures if f["t"] >= start]
+    out: dict[str, Any] = {
+        "injected": len(failures),
+        "before_first_commit": len(failures) - len(training),
+    }
+    for key in FAILURE_METRICS:
+        for prefix, subset in (("", training), ("all_", failures)):
+            values = [float(f[key]) for f in subset if f.get(key) is not None]
+            out[prefix + key] = {**_stats(values), "missing": len(subset) - len(values)}
+    return out
+
+
+def _survivor_pace(
+    log_: RunLog, report: dict[str, Any], t_run: float, first_commit_rel: float
+) -> list[float]:
+    """Per failure (after the first commit), the survivors' steps per second from the kill until
+    the victim committed again. On a small machine the victim's restart (interpreter start, torch
+    import) competes with the survivors for CPU, which a real cluster would not see."""
+    rates: list[float] = []
+    for f in report.get("failures", []):
+        if f["t"] < first_commit_rel or f.get("time_to_healthy_s") is None or not f["replica"]:
+            continue
+        a = t_run + f["t"]
+        b = a + f["time_to_healthy_s"]
+        steps = {c.step for c in log_.commits() if c.replica != f["replica"] and a <= c.t <= b}
+        if b > a:
+            rates.append(len(steps) / (b - a))
+    return rates
+
+
+def _history(commits: list[CommitEvent]) -> dict[str, int]:
+    """Replica-steps of the final history (per step, the contributors of its latest commit: a
+    rollback re-commits a step in a later quorum and supersedes it) and those thrown away (pairs
+    committed in a quorum whose step was later committed again in another)."""
+    latest: dict[int, CommitEvent] = {}
+    for c in commits:  # in time order
+        latest[c.step] = c
+    discarded = {
+        (c.step, replica, c.quorum_id)
+        for c in commits
+        if c.quorum_id != latest[c.step].quorum_id
+        for replica in c.trained
+    }
+    return {
+        "final": sum(len(c.trained) for c in latest.values()),
+        "discarded": len(discarded),
+    }
+
+
+def _full_prefix(commits: list[CommitEvent], report: dict[str, Any]) -> int:
+    """Steps 0..k-1 in which every replica contributed (final history): only there does a step
+    train the same samples as a DDP step with the same index."""
+    total = _get(report, "run", "total_replicas") or 0
+    latest: dict[int, CommitEvent] = {}
+    for c in commits:
+        latest[c.step] = c
+    k = 0
+    while k in latest and len(latest[k].trained) == total:
+        k += 1
+    return k
+
+
+def analyse_run(run_dir: Path, report: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """The numbers this benchmark reads from one finished demo run."""
+    log_ = RunLog.load(run_dir)
+    commits: list[CommitEvent] = log_.commits()
+    summary = report["summary"]
+    t_run = log_.run.t if log_.run is not None else None
+    first = commits[0].t if commits else None
+    last = commits[-1].t if commits else None
+    span = (last - first) if first is not None and last is not None else None
+    history = _history(commits)
+    useful = history["final"]
+    losses = report.get("series", {}).get("loss", {})
+    return {
+        "run_dir": str(run_dir),
+        "invariants": {k: v.get("ok") for k, v in report.get("invariants", {}).items()},
+        "invariant_details": {k: v.get("detail") for k, v in report.get("invariants", {}).items()},
+        "inconsistencies": len(report.get("inconsistencies", [])),
+        "skipped_lines": len(report.get("skipped_lines", [])),
+        "summary": summary,
+        "report_ett": report.get("effective_training_time"),
+        "startup_s": None if first is None or t_run is None else first - t_run,
+        "span_s": span,
+        "launch_span_s": None if last is None or t_run is None else last - t_run,
+        "full_prefix_steps": _full_prefix(commits, report),
+        "useful_replica_steps": useful,
+        "report_useful_replica_steps": int(summary["useful_replica_steps"]),
+        "discarded_replica_steps": history["discarded"],
+        "replica_steps_per_s": useful / span if span else None,
+        "replica_steps_per_launch_s": useful / (last - t_run)
+        if last is not None and t_run is not None and last > t_run
+        else None,
+        "replica_steps_per_wall_s": useful / summary["wall_time_s"]
+        if summary.get("wall_time_s")
+        else None,
+        "restarts": len(log_.of_type(RestartEvent)),
+        "step_times": _step_times(log_, warmup),
+        "failure_list": report.get("failures", []),
+        "failures": _failures(report, None if first is None or t_run is None else first - t_run),
+        "survivor_steps_per_s_during_recovery": []
+        if first is None or t_run is None
+        else _survivor_pace(log_, report, t_run, first - t_run),
+        "steps_per_s": summary["steps_committed"] / span if span else None,
+        "loss_r0": losses.get("r0", []),
+    }
+
+
+def run_phase(
+    name: str, args: argparse.Namespace, root: Path, *, policy: str, kills: bool
+) -> dict[str, Any]:
+    run_dir = root / name
+    config = DemoConfig(
+        replicas=args.replicas,
+        ranks=args.ranks,
+        duration=timedelta(seconds=args.duration_s),
+        kill_every=timedelta(seconds=args.kill_every_s) if kills else None,
+        kill_mode=args.kill_mode,
+        seed=args.seed,
+        run_dir=run_dir,
+        micro_batch=args.micro_batch,
+        restart_policy=policy,
+        live=False,
+    )
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: demo, policy={policy}, kills={kills} → {run_dir}")
+    return _timed(name, lambda: analyse_run(run_dir, run_demo(config), args.warmup_steps))
+
+
+def run_ddp_phase(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: DDP/gloo, {args.replicas * args.ranks} ranks")
+
+    def body() -> dict[str, Any]:
+        results = run_ddp(
+            replicas=args.replicas,
+            ranks=args.ranks,
+            steps=args.ddp_steps,
+            warmup=args.ddp_warmup,
+            micro_batch=args.micro_batch,
+            seed=args.seed,
+            work_dir=root / name,
+        )
+        intervals = [v for r in results for v in r["intervals"]]
+        phases = {
+            k: statistics.median(v for r in results for v in r["phases"][k])
+            for k in results[0]["phases"]
+        }
+        return {
+            "run_dir": str(root / name),
+            "interval_s": _stats(intervals),
+            "phase_median_s": phases,
+            "losses_rank0": results[0]["losses"],
+        }
+
+    return _timed(name, body)
+
+
+def _timed(name: str, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    load_start, t0 = _load(), time.monotonic()
+    try:
+        out = body()
+    except Exception as exc:  # one broken phase must not hide the others' numbers
+        log.exception("%s failed", name)
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    out.update(bench_wall_s=time.monotonic() - t0, load_avg_start=load_start, load_avg_end=_load())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparison
+
+
+def _get(d: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _loss_agreement(
+    fthsdp: list[list[float]], ddp: list[float], full_prefix: int
+) -> dict[str, Any] | None:
+    """fthsdp's r0/rank-0 loss per step against DDP rank 0's, over the first steps in which all
+    replicas contributed: the same model and data give the same numbers (bitwise at first;
+    summation order drifts them later). Once a replica misses a step the data no longer lines
+    up by step index."""
+    limit = min(full_prefix, len(ddp))
+    pairs = [(float(loss), ddp[int(step)]) for step, loss in fthsdp if int(step) < limit]
+    if not pairs:
+        return {"steps_compared": 0, "full_prefix_steps": full_prefix}
+    bitwise = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    return {
+        "steps_compared": len(pairs),
+        "full_prefix_steps": full_prefix,
+        "bitwise_equal_first_steps": bitwise,
+        "max_abs_diff": max(abs(a - b) for a, b in pairs),
+    }
+
+
+def compare(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    ff, ft, base = phases.get("faultfree", {}), phases.get("fthsdp", {}), phases.get("baseline", {})
+    rate = ff.get("replica_steps_per_s")
+    rate_launch = ff.get("replica_steps_per_launch_s")
+    rate_wall = ff.get("replica_steps_per_wall_s")
+
+    def ett(run: dict[str, Any]) -> dict[str, Any]:
+        useful, span = run.get("useful_replica_steps"), run.get("span_s")
+        wall = _get(run, "summary", "wall_time_s")
+        reported = run.get("report_useful_replica_steps")
+        launch = run.get("launch_span_s")
+        return {
+            "time_launch": None
+            if not rate_launch or not launch
+            else useful / (rate_launch * launch),
+            "time_span": None if not rate or not span else useful / (rate * span),
+            "time_span_report_useful": None
+            if not rate or not span or reported is None
+            else reported / (rate * span),
+            "time_wall": None if not rate_wall or not wall else useful / (rate_wall * wall),
+            "report_replica_steps": run.get("report_ett"),
+        }
+
+    ett_ft, ett_base = ett(ft), ett(base)
+    ddp_runs = [phases[k] for k in ("ddp_before", "ddp_after") if "interval_s" in phases.get(k, {})]
+    ddp_medians = [r["interval_s"]["median"] for r in ddp_runs]
+    ddp_median = statistics.mean(ddp_medians) if ddp_medians else None
+    ft_step = _get(ff, "step_times", "interval_s", "median")
+    report_step = _get(ff, "summary", "median_step_s")
+    ddp_losses = ddp_runs[0]["losses_rank0"] if ddp_runs else []
+    ff_steps = ff.get("steps_per_s")
+    pace = {
+        name: _ratio(statistics.median(r), ff_steps) if r else None
+        for name, r in (
+            ("fthsdp", ft.get("survivor_steps_per_s_during_recovery")),
+            ("baseline", base.get("survivor_steps_per_s_during_recovery")),
+        )
+    }
+    return {
+        "fault_free_replica_steps_per_s": rate,
+        "fault_free_steps_per_s": ff_steps,
+        "survivor_pace_vs_fault_free": pace,
+        "ett": {"fthsdp": ett_ft, "baseline": ett_base},
+        "ett_ratio": {k: _ratio(ett_ft[k], ett_base[k]) for k in ett_ft},
+        "overhead": {
+            "fthsdp_median_step_s": ft_step,
+            "fthsdp_report_median_step_s": report_step,
+            "ddp_median_step_s": ddp_median,
+            "ddp_median_step_s_each": ddp_medians,
+            "ratio": _ratio(ft_step, ddp_median),
+            "ratio_report_median": _ratio(report_step, ddp_median),
+            "target": TARGET_OVERHEAD,
+        },
+        "stall_target_s": None if ft_step is None else ft_step + TARGET_STALL_EXTRA_S,
+        "loss_agreement": _loss_agreement(
+            ff.get("loss_r0", []), ddp_losses, ff.get("full_prefix_steps", 0)
+        )
+        if ddp_losses
+        else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _f(value: Any, fmt: str = ".3f", scale: float = 1.0) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "ok" if value else "FAIL"
+    return format(value if fmt == "d" else value * scale, fmt)
+
+
+def render(result: dict[str, Any]) -> str:
+    s, ph, cmp_ = result["settings"], result["phases"], result["comparison"]
+    m = result["machine"]
+    ft, base, ff = ph.get("fthsdp", {}), ph.get("baseline", {}), ph.get("faultfree", {})
+    lines = [
+        f"fthsdp recovery: {s['replicas']} replicas × {s['ranks']} ranks, {s['duration_s']:g} s "
+        f"per run, kill every {s['kill_every_s']:g} s ({s['kill_mode']}), seed {s['seed']}",
+        f"machine: {m['nproc']} cpus, load avg {m['load_avg_start']} at start, "
+        f"{m['load_avg_end']} at end; work dir {result['work_dir']}",
+    ]
+    for name in ("fthsdp", "baseline", "faultfree", "ddp_before", "ddp_after"):
+        if "error" in ph.get(name, {}):
+            lines.append(f"!! {name} failed: {ph[name]['error']}")
+    stall_target = cmp_["stall_target_s"]
+    targets = {
+        "detection_s": f"≤ {TARGET_DETECTION_S:g} s",
+        "survivor_stall_s": "≤ step + 1 s"
+        + ("" if stall_target is None else f" = {stall_target:.2f}"),
+        "time_to_healthy_s": "—",
+    }
+    w = 30
+    lines += [
+        "",
+        f"{'per failure (s)':<{w}}{'FT-HSDP (replica)':>24}{'baseline (job)':>24}   target",
+        f"{'':<{w}}{'median':>9}{'max':>9}{'n':>6}{'median':>9}{'max':>9}{'n':>6}",
+    ]
+    for key in FAILURE_METRICS:
+        row = f"{key.removesuffix('_s').replace('_', ' '):<{w}}"
+        for run in (ft, base):
+            st = _get(run, "failures", key) or {}
+            n = f"{st.get('n', 0)}/{_get(run, 'failures', 'injected') or 0}"
+            row += f"{_f(st.get('median')):>9}{_f(st.get('max')):>9}{n:>6}"
+        lines.append(f"{row}   {targets[key]}")
+    pace = cmp_["survivor_pace_vs_fault_free"]
+    lines.append(
+        f"{'survivor pace / fault-free':<{w}}{_f(pace['fthsdp'], '.2f'):>24}"
+        f"{_f(pace['baseline'], '.2f'):>24}   (steps/s, kill → victim back)"
+    )
+    lines.append(
+        f"{'kills before 1st commit (left out)':<{w}}"
+        f"{_f(_get(ft, 'failures', 'before_first_commit'), 'd'):>24}"
+        f"{_f(_get(base, 'failures', 'before_first_commit'), 'd'):>24}"
+    )
+    ett, ratio = cmp_["ett"], cmp_["ett_ratio"]
+    lines += [
+        "",
+        f"{'effective training time':<{w}}{'FT-HSDP':>10}{'baseline':>10}{'ratio':>8}"
+        f"{'fault-free':>12}",
+    ]
+    for key, label in (
+        ("time_launch", "ETT (time, launch→last commit)"),
+        ("time_span", "  over 1st→last commit only"),
+        ("time_wall", "  over the report's wall time"),
+        ("report_replica_steps", "report ETT (replica-steps)"),
+    ):
+        ff_value = 1.0 if key.startswith("time") else ff.get("report_ett")
+        lines.append(
+            f"{label:<{w}}{_f(ett['fthsdp'][key]):>10}{_f(ett['baseline'][key]):>10}"
+            f"{_f(ratio[key], '.2f'):>8}{_f(ff_value):>12}"
+        )
+    for key, label, fmt in (
+        ("useful_replica_steps", "useful replica-steps", "d"),
+        ("report_useful_replica_steps", "  (report's count)", "d"),
+        ("discarded_replica_steps", "thrown away by rollback", "d"),
+        ("launch_span_s", "launch → last commit s", ".1f"),
+        ("replica_steps_per_launch_s", "replica-steps / s", ".1f"),
+        ("restarts", "replica restarts", "d"),
+        ("startup_s", "launch → first commit s", ".1f"),
+    ):
+        lines.append(
+            f"{label:<{w}}{_f(ft.get(key), fmt):>10}{_f(base.get(key), fmt):>10}{'':>8}"
+            f"{_f(ff.get(key), fmt):>12}"
+        )
+    inv = " ".join(
+        f"{name}:{'/'.join(_f(_get(run, 'invariants', i)) for i in ('I1', 'I2'))}"
+        for name, run in (("fthsdp", ft), ("baseline", base), ("faultfree", ff))
+    )
+    lines.append(f"invariants I1/I2  {inv}")
+    ov = cmp_["overhead"]
+    ddp_each = ", ".join(_f(v, ".1f", 1e3) for v in ov["ddp_median_step_s_each"])
+    lines += [
+        "",
+        f"{'fault-free step':<{w}}{'fthsdp':>10}{'DDP/gloo':>10}{'ratio':>8}   target",
+        f"{'median step ms':<{w}}{_f(ov['fthsdp_median_step_s'], '.1f', 1e3):>10}"
+        f"{_f(ov['ddp_median_step_s'], '.1f', 1e3):>10}{_f(ov['ratio'], '.3f'):>8}"
+        f"   ≤ {TARGET_OVERHEAD:.2f}",
+        f"{'  (report median_step_s)':<{w}}{_f(ov['fthsdp_report_median_step_s'], '.1f', 1e3):>10}"
+        f"{'':>10}{_f(ov['ratio_report_median'], '.3f'):>8}",
+        f"  DDP runs before/after: {ddp_each} ms",
+    ]
+    fph = _get(ff, "step_times", "phase_median_s") or {}
+    dph = _get(ph, "ddp_before", "phase_median_s") or _get(ph, "ddp_after", "phase_median_s") or {}
+    lines.append(
+        "  fthsdp per step (median ms): "
+        + ", ".join(f"{k} {_f(fph.get(k), '.1f', 1e3)}" for k in ("quorum", "exchange", "rest"))
+        + "  (rest: data, fwd, bwd, intra-replica collectives, optimizer; the commit"
+        " lines' `commit` field is written before it is measured, so it is always 0)"
+    )
+    lines.append(
+        "  DDP per step (median ms):    "
+        + ", ".join(f"{k} {_f(v, '.1f', 1e3)}" for k, v in dph.items())
+        + "  (backward includes the all-reduce)"
+    )
+    agree = cmp_["loss_agreement"]
+    if agree and not agree["steps_compared"]:
+        lines.append(
+            f"  same model and data: not comparable, a replica missed step "
+            f"{agree['full_prefix_steps']} of the fault-free run (late start)"
+        )
+    elif agree:
+        lines.append(
+            f"  same model and data: r0 loss == DDP rank-0 loss bitwise for the first "
+            f"{agree['bitwise_equal_first_steps']}/{agree['steps_compared']} steps, "
+            f"max |Δ| {agree['max_abs_diff']:.2e}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    base_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="fthsdp-bench-recovery-"))
+    # A run directory is appended to and resumed from, so every invocation gets a fresh one.
+    root = base_dir / datetime.now().strftime("recovery-%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=False)
+    mach = machine()
+    started = time.monotonic()
+    phases: dict[str, dict[str, Any]] = {}
+    phases["fthsdp"] = run_phase("fthsdp", args, root, policy="replica", kills=True)
+    phases["baseline"] = run_phase("baseline", args, root, policy="job", kills=True)
+    phases["ddp_before"] = run_ddp_phase("ddp_before", args, root)
+    phases["faultfree"] = run_phase("faultfree", args, root, policy="replica", kills=False)
+    phases["ddp_after"] = run_ddp_phase("ddp_after", args, root)
+    mach["load_avg_end"] = _load()
+    result = {
+        "benchmark": "recovery",
+        "command": shlex.join([sys.executable, "-m", "bench.recovery", *sys.argv[1:]])
+        if argv is None
+        else shlex.join(["python", "-m", "bench.recovery", *argv]),
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
+        },
+        "machine": mach,
+        "work_dir": str(root),
+        "total_s": time.monotonic() - started,
+        "targets": {
+            "detection_s": TARGET_DETECTION_S,
+            "survivor_stall_s": "one fault-free step + 1 s",
+            "overhead_ratio": TARGET_OVERHEAD,
+        },
+        "phases": phases,
+    }
+    result["comparison"] = compare(phases)
+    # JSON first: the numbers survive even if rendering trips over a missing one.
+    text = json.dumps(result, indent=2)
+    (root / "recovery.json").write_text(text)
+    if args.json is not None:
+        args.json.write_text(text)
+    print()
+    print(render(result))
+    print(f"\ntotal {result['total_s']:.0f} s; JSON: {args.json or root / 'recovery.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
