@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POINTS = ("exchange", "fetch", "serve", "commit")
-"""exchange: with the ring up, as the exchange starts (the peers are left mid-exchange); fetch: while catching up;
-serve: right after publishing a snapshot for a recovering peer; commit: after the vote, before
-the optimizer step."""
+"""exchange: with the ring up, as the exchange starts (the peers are left mid-exchange);
+fetch: while catching up; serve: right after publishing a snapshot for a recovering peer;
+commit: after the vote, before the optimizer step."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
