@@ -44,7 +44,7 @@ def _commit_lines(run_dir: Path) -> list[dict[str, Any]]:
 def test_kills_leave_identical_replicas_and_exactly_once_data(demo: DemoRunner) -> None:
     """I1 + I2 after repeated SIGKILLs of single ranks (2 ranks per replica), and I4: the
     survivors keep committing while a replica is down, stalling at most the join timeout."""
-    report = demo(ranks=2, duration=timedelta(seconds=30), kill_every=timedelta(seconds=8))
+    report = demo(ranks=2, duration=timedelta(seconds=40), kill_every=timedelta(seconds=8))
     _assert_i1_i2(report)
     failures = report["failures"]
     assert len(failures) >= 2
@@ -88,8 +88,9 @@ def test_kill_during_catch_up_and_of_a_source_still_converges(
 def test_hung_replica_is_evicted_by_heartbeat_and_replaced(demo: DemoRunner) -> None:
     """A SIGSTOPped replica: its heartbeats stop, the service evicts it within the heartbeat
     timeout, survivors go on (I4), and the replacement catches up (I1, I2)."""
-    report = demo(kill_mode="hang", duration=timedelta(seconds=20), kill_every=timedelta(seconds=8))
+    report = demo(kill_mode="hang", duration=timedelta(seconds=25), kill_every=timedelta(seconds=8))
     _assert_i1_i2(report)
+    assert report["failures"]
     for failure in report["failures"]:
         assert failure["detection_s"] is not None
         assert failure["detection_s"] <= 1.0 + 1.0, failure  # heartbeat timeout + polling slack
