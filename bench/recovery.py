@@ -538,9 +538,11 @@ def render(result: dict[str, Any]) -> str:
     dph = _get(ph, "ddp_before", "phase_median_s") or _get(ph, "ddp_after", "phase_median_s") or {}
     lines.append(
         "  fthsdp per step (median ms): "
-        + ", ".join(f"{k} {_f(fph.get(k), '.1f', 1e3)}" for k in ("quorum", "exchange", "rest"))
-        + "  (rest: data, fwd, bwd, intra-replica collectives, optimizer; the commit"
-        " lines' `commit` field is written before it is measured, so it is always 0)"
+        + ", ".join(
+            f"{k} {_f(fph.get(k), '.1f', 1e3)}" for k in ("quorum", "exchange", "commit", "rest")
+        )
+        + "  (commit: gather inside the replica + optimizer; rest: data, forward, backward,"
+        " the intra-replica sum)"
     )
     lines.append(
         "  DDP per step (median ms):    "

@@ -1,31 +1,36 @@
-"""Deterministic fault injection for tests and the demo: a rank kills itself at a chosen point.
+"""Deterministic fault injection for tests and the demo: a rank dies, or stalls, at a chosen point.
 
-`FTHSDP_FAULTS` lists faults as `replica:rank:step:point` separated by commas, for example
-`r1:0:12:exchange` (rank 0 of replica r1 dies in the middle of step 12's exchange). `step` may
-be `*` (the first time the point is reached). Each fault fires once per job: a marker file in
-`FTHSDP_FAULTS_DIR` records it, so the restarted replica does not die again."""
+`FTHSDP_FAULTS` lists faults as `replica:rank:step:point[:seconds]` separated by commas, for
+example `r1:0:12:exchange` (rank 0 of replica r1 dies as step 12's exchange starts) or
+`r1:0:*:slow_fetch:3` (its next catch-up fetch takes 3 s longer). `step` may be `*` (the first
+time the point is reached). Each fault fires once per job: a marker file in `FTHSDP_FAULTS_DIR`
+records it, so the restarted replica does not die again."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-POINTS = ("exchange", "fetch", "serve", "commit")
+POINTS = ("exchange", "fetch", "serve", "commit", "slow_fetch")
 """exchange: with the ring up, as the exchange starts (the peers are left mid-exchange);
 fetch: while catching up; serve: right after publishing a snapshot for a recovering peer;
-commit: after the vote, before the optimizer step."""
+commit: after the vote, before the optimizer step; slow_fetch: the catch-up fetch is delayed by
+the fault's seconds (the rank lives)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fault:
-    """One planned death."""
+    """One planned death or delay."""
 
     replica_id: str
     rank: int
     step: int | None
     point: str
+    seconds: float = 0.0
+    """For `slow_fetch`: how long the fetch is held back."""
 
     @property
     def marker(self) -> str:
@@ -38,17 +43,20 @@ def parse_faults(spec: str) -> list[Fault]:
     faults = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         parts = entry.split(":")
-        if len(parts) != 4 or parts[3] not in POINTS:
+        if len(parts) not in (4, 5) or parts[3] not in POINTS:
             raise ValueError(
-                f"bad fault {entry!r}: want replica:rank:step:point, point in {POINTS}"
+                f"bad fault {entry!r}: want replica:rank:step:point[:seconds], point in {POINTS}"
             )
-        replica, rank, step, point = parts
+        seconds = float(parts[4]) if len(parts) == 5 else 0.0
+        if (parts[3] == "slow_fetch") != (seconds > 0) or not seconds <= 3600:
+            raise ValueError(f"bad fault {entry!r}: seconds in (0, 3600] go with slow_fetch only")
         faults.append(
             Fault(
-                replica_id=replica,
-                rank=int(rank),
-                step=None if step == "*" else int(step),
-                point=point,
+                replica_id=parts[0],
+                rank=int(parts[1]),
+                step=None if parts[2] == "*" else int(parts[2]),
+                point=parts[3],
+                seconds=seconds,
             )
         )
     return faults
@@ -72,8 +80,8 @@ class FaultPlan:
         directory = environ.get("FTHSDP_FAULTS_DIR")
         return cls(mine, Path(directory) if directory else None)
 
-    def hit(self, point: str, step: int) -> None:
-        """Dies with SIGKILL if a fault is planned here and has not fired yet in this job."""
+    def _due(self, point: str, step: int) -> Fault | None:
+        """The planned fault at this point and step that has not fired yet (marking it fired)."""
         for fault in self._faults:
             if fault.point != point or fault.step not in (None, step):
                 continue
@@ -83,4 +91,16 @@ class FaultPlan:
                     continue
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.touch()
+            return fault
+        return None
+
+    def hit(self, point: str, step: int) -> None:
+        """Dies with SIGKILL if a fault is planned here and has not fired yet in this job."""
+        if self._due(point, step) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def delay(self, point: str, step: int) -> None:
+        """Sleeps for a planned delay at this point (once per job)."""
+        fault = self._due(point, step)
+        if fault is not None:
+            time.sleep(fault.seconds)

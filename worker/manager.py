@@ -194,7 +194,7 @@ class Manager:
         recovering = self.step < plan.max_step
         fetch: Future[tuple[dict[str, torch.Tensor], dict[str, str | int]]] | None = None
         if recovering:
-            fetch = self._executor.submit(self._peer_state.fetch_peer, plan.sources, plan.max_step)
+            fetch = self._executor.submit(self._fetch, plan)
             self._faults.hit("fetch", self.step)
         elif plan.serve or self._durable_due(plan):
             self._peer_state.publish(self.step, self._snapshot(), self._meta())
@@ -258,6 +258,11 @@ class Manager:
             seconds=seconds,
         )
         return outcome
+
+    def _fetch(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
+        """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
+        self._faults.delay("slow_fetch", self.step)
+        return self._peer_state.fetch_peer(plan.sources, plan.max_step)
 
     # ---- quorum --------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from the raw logs (fingerprints written by every replica, commit lines with samp
 
 from __future__ import annotations
 
+import itertools
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -152,3 +153,20 @@ def test_hsdp_with_fsdp2_inside_replicas_survives_kills(demo: DemoRunner) -> Non
     _assert_i1_i2(report)
     assert report["failures"]
     assert all(f["time_to_healthy_s"] is not None for f in report["failures"])
+
+
+def test_fetch_slower_than_a_step_stalls_survivors_at_most_the_join_timeout(
+    demo: DemoRunner, tmp_path: Path
+) -> None:
+    """I4 with a slow catch-up: r1's first catch-up fetch takes 3 s (hundreds of steps), and r1
+    dies at step 10 to catch up once more. The survivors wait for it at most the join timeout,
+    then go on without it; r1 catches up on a later quorum and ends identical (I1, I2)."""
+    report = demo(faults="r1:0:10:commit,r1:0:*:slow_fetch:3", duration=timedelta(seconds=25))
+    _assert_i1_i2(report)
+    assert (tmp_path / "run" / "faults" / "fault-r1-0-any-slow_fetch").exists()
+    commits = _commit_lines(tmp_path / "run")
+    for survivor in ("r0", "r2"):
+        times = sorted(c["t"] for c in commits if c["replica"] == survivor)
+        worst_gap = max(b - a for a, b in itertools.pairwise(times))
+        assert worst_gap <= JOIN_TIMEOUT_S + 1.0, (survivor, worst_gap)
+    assert any(c["replica"] == "r1" and c["recovered"] for c in commits)
