@@ -89,6 +89,13 @@ def decode_plan(payload: bytes, *, replica_id: str, rank: int) -> StepPlan:
         raise ValueError("a step plan must be a JSON object")
     if raw.get("error"):
         raise NoQuorumError(str(raw["error"]))
+    try:
+        return _plan(raw, replica_id=replica_id, rank=rank)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"malformed step plan: {exc!r}") from exc
+
+
+def _plan(raw: dict[str, Any], *, replica_id: str, rank: int) -> StepPlan:
     members = raw["members"]
     ring = tuple(str(m["ranks"][rank][0]) for m in members)
     ring_replicas = tuple(str(m["replica_id"]) for m in members)

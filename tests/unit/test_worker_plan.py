@@ -1,0 +1,59 @@
+"""The leader's quorum broadcast and each rank's view of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.quorum.client import Member, Quorum, RankEndpoint
+from worker.plan import NoQuorumError, decode_plan, encode_failure, encode_quorum
+
+
+def _member(replica: str, step: int) -> Member:
+    ranks = tuple(
+        RankEndpoint(ftar=f"{replica}-ftar-{r}:1", checkpoint=f"http://{replica}-ckpt")
+        for r in range(2)
+    )
+    return Member(replica_id=replica, incarnation=1, step=step, ranks=ranks)
+
+
+QUORUM = Quorum(
+    quorum_id=7,
+    members=(_member("r0", 5), _member("r1", 2), _member("r2", 5)),
+    max_step=5,
+    healthy=("r0", "r2"),
+    sources={"r1": (("r0", "r2"), ("r2", "r0"))},
+)
+
+
+def test_each_rank_gets_its_own_ring_and_sources() -> None:
+    for rank in range(2):
+        plan = decode_plan(encode_quorum(QUORUM, "r1"), replica_id="r1", rank=rank)
+        assert plan.ring == tuple(f"r{i}-ftar-{rank}:1" for i in range(3))
+        assert plan.ring_replicas == ("r0", "r1", "r2")
+        assert plan.num_healthy == 2 and not plan.serve
+    second = decode_plan(encode_quorum(QUORUM, "r1"), replica_id="r1", rank=1)
+    assert [s.replica_id for s in second.sources] == ["r2", "r0"]  # rank 1 starts elsewhere
+    assert second.sources[0].url == "http://r2-ckpt"
+
+
+def test_a_healthy_source_knows_it_serves_and_fetches_nothing() -> None:
+    plan = decode_plan(encode_quorum(QUORUM, "r0"), replica_id="r0", rank=0)
+    assert plan.serve and plan.sources == ()
+
+
+def test_a_leader_without_quorum_stops_every_rank() -> None:
+    with pytest.raises(NoQuorumError, match="no quorum within"):
+        decode_plan(encode_failure("no quorum within quorum_timeout"), replica_id="r0", rank=0)
+
+
+@pytest.mark.parametrize(
+    "payload", [b"[]", b'{"members": 3}', b'{"quorum_id": 1}', b"{}", b'{"members": [{}]}']
+)
+def test_malformed_plans_are_value_errors(payload: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_plan(payload, replica_id="r0", rank=0)
+
+
+def test_a_plan_that_leaves_this_replica_out_is_refused() -> None:
+    with pytest.raises(ValueError, match="include this replica"):
+        decode_plan(encode_quorum(QUORUM, "r1"), replica_id="r9", rank=0)
