@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -106,6 +107,7 @@ class LocalStack:
         )
         self._quorum: QuorumServerThread | None = None
         shm = shm_root / f"fthsdp-{run_dir.resolve().name}-{int(time.time())}"
+        self._shm = shm
         self.sidecars = {
             host: Sidecar(
                 name=host,
@@ -177,3 +179,5 @@ class LocalStack:
         for sidecar in self.sidecars.values():
             sidecar.stop()
         self.stop_quorum()
+        # Snapshots live in RAM; whatever a killed rank left behind goes with the stack.
+        shutil.rmtree(self._shm, ignore_errors=True)

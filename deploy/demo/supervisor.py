@@ -14,10 +14,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from deploy.demo.eventlog import EventLog
 
@@ -121,7 +120,7 @@ class Supervisor:
         command: ReplicaCommand,
         events: EventLog,
         *,
-        on_failure: Any,
+        on_failure: Callable[[str, str], None],
         restart_delay: float = 0.5,
         restart_policy: str = "replica",
     ) -> None:
