@@ -33,7 +33,7 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--ranks", type=int, default=2, help="ranks per replica (default 2)")
     p.add_argument(
         "--duration", type=_positive_seconds, default=timedelta(seconds=120),
-        help="seconds of training before the end phase (default 120)",
+        help="seconds of training, from when every replica is healthy (default 120)",
     )  # fmt: skip
     p.add_argument(
         "--kill-every", type=_positive_seconds, default=timedelta(seconds=25),

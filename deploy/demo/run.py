@@ -36,7 +36,8 @@ class DemoConfig:
     ranks: int = 2
     """Ranks (processes) per replica."""
     duration: timedelta = timedelta(seconds=120)
-    """Training time before the end phase (failures are injected only during it)."""
+    """Training time, counted once every replica is healthy, before the end phase (failures
+    are injected only during it)."""
     kill_every: timedelta | None = timedelta(seconds=25)
     """Period of injected failures; None injects none."""
     kill_mode: str = "process"
@@ -261,21 +262,24 @@ class _Driver:
         self.supervisor.poll()
 
     def train(self, rng: random.Random) -> None:
-        """Runs for `duration`, injecting a failure every `kill_every`."""
+        """Trains for `duration` from the moment every replica is healthy (start-up, which
+        takes seconds on a loaded machine, does not count), injecting a failure every
+        `kill_every` except in the last stretch."""
         config = self.config
+        everyone = {r.replica_id for r in self.supervisor.replicas}
+        deadline = time.monotonic() + config.settle_timeout.total_seconds()
+        while time.monotonic() < deadline and set(self.quorum.healthy) != everyone:
+            self.supervise()
+            time.sleep(0.05)
         start = time.monotonic()
         end = start + config.duration.total_seconds()
         period = config.kill_every.total_seconds() if config.kill_every else None
-        # The schedule starts once every replica trained: a kill during start-up tests nothing.
-        next_kill = float("inf")
-        everyone = {r.replica_id for r in self.supervisor.replicas}
+        next_kill = start + period if period else float("inf")
         # No failures in the last stretch: the end phase needs every replica back.
         last_kill = end - min(10.0, config.duration.total_seconds() / 4)
         while time.monotonic() < end:
             self.supervise()
             now = time.monotonic()
-            if period and next_kill == float("inf") and set(self.quorum.healthy) == everyone:
-                next_kill = now + period
             if now >= next_kill:
                 if now < last_kill:
                     self._inject(rng)

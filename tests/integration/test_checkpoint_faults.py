@@ -76,8 +76,7 @@ def test_striped_fetch_survives_a_source_sigkilled_mid_fetch(
     assert victim.proc.wait(10) == -signal.SIGKILL
     assert_bitwise_equal(fetched.tensors, state)
     killed = fetched.sources[2]
-    assert killed.failures >= 1
-    assert killed.dead
+    assert killed.failures >= 1  # whether it is also marked dead depends on timing
     assert sum(s.bytes for s in fetched.sources[:2]) > 0
     total = sum(t.numel() * t.element_size() for t in state.values())
     assert killed.bytes < total
