@@ -75,6 +75,11 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="shard each replica over its ranks with FSDP2 (HSDP) instead of replicating it",
     )  # fmt: skip
     p.add_argument(
+        "--overlap-backward", action="store_true",
+        help="exchange gradient buckets across replicas while backward still runs (not with "
+        "--fsdp)",
+    )  # fmt: skip
+    p.add_argument(
         "--restart-policy", choices=RESTART_POLICIES, default="replica",
         help="replica: only the failed replica restarts (default); job: every replica restarts "
         "from the last durable checkpoint (the synchronous baseline)",
@@ -115,6 +120,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         restart_policy=args.restart_policy,
         fsdp=args.fsdp,
+        overlap_backward=args.overlap_backward,
     )
     report = run_demo(config)
     if args.report:

@@ -49,6 +49,11 @@ class ManagerConfig:
     """Gradients are exchanged in buckets of about this many bytes, each its own FTAR work."""
     exchange_timeout: timedelta = timedelta(seconds=30)
     """Bound on one cross-replica gradient exchange before it counts as failed (recoverable)."""
+    overlap_backward: bool = False
+    """Exchange each bucket across replicas as soon as backward has produced its gradients, so
+    the exchange overlaps the rest of backward (replicated layout only, not FSDP2/DTensor
+    params). Needs exactly one backward per step between `start_step` and `finish_step`; the
+    first gradient hook of the step waits for the step's quorum."""
 
     def __post_init__(self) -> None:
         for name in ("job_id", "replica_id"):

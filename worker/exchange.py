@@ -1,11 +1,12 @@
 """The cross-replica gradient exchange of one rank (DESIGN.md step 3).
 
-The replica's gradient is kept intact in flat buffers, one per dtype; each attempt exchanges a
-*copy*, so a failed exchange is retried on a new ring without recomputing forward and backward.
+The replica's gradient is kept intact in flat buffers, one per bucket of parameters; each attempt
+exchanges a *copy*, so a failed exchange is retried on a new ring without recomputing forward and
+backward. Buckets can be captured and sent while backward still runs (`overlap_backward`).
 Two layouts inside a replica:
 
 - replicated (DDP-style): every rank holds the whole gradient of its micro-batch. The ranks sum it
-  inside the replica; rank i then owns slice i of every buffer and exchanges it on ring i, and
+  inside the replica; rank i then owns slice i of every bucket and exchanges it on ring i, and
   the averaged slices are gathered back inside the replica.
 - sharded (FSDP2 `fully_shard`, HSDP): FSDP has already reduce-scattered the gradient inside the
   replica, so rank i holds shard i and exchanges exactly that shard on ring i.
@@ -15,7 +16,7 @@ Either way each FTAR ring moves 1/W of the gradient."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -39,16 +40,35 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class _Flat:
+class _Bucket:
     params: list[torch.nn.Parameter]
+    """In the order they sit in the buffers (reverse registration order)."""
     replica: torch.Tensor
-    """The replica's gradient (replicated layout: summed over its ranks); intact across retries."""
+    """The replica's gradient of these params (replicated layout: summed over its ranks), padded
+    to a multiple of the world size; intact across retries."""
     result: torch.Tensor
     """The averaged gradient of the current attempt."""
 
 
+@dataclass(slots=True)
+class _Round:
+    """One attempt's FTAR works, launched strictly in bucket order."""
+
+    ring: FtarRing
+    contribute: bool
+    num_contributors: int
+    starting: Callable[[], None] | None
+    works: list[FtarWork] = field(default_factory=list)
+
+
 class GradientExchange:
-    """Flattens, exchanges and writes back gradients of a fixed parameter list."""
+    """Flattens, exchanges and writes back gradients of a fixed parameter list.
+
+    The unit is a bucket: trainable params, in reverse registration order (roughly the order
+    backward produces their gradients), grouped into contiguous single-dtype buffers of about
+    `bucket_bytes`. In the replicated layout rank i owns slice i of every bucket; each bucket's
+    slice is one FTAR work. Whether buckets are captured all at once after backward (`capture`)
+    or one by one while it runs (`capture_bucket`), the layout and hence the result are the same."""
 
     def __init__(
         self, params: Sequence[torch.nn.Parameter], group: ReplicaGroup, *, bucket_bytes: int
@@ -59,43 +79,120 @@ class GradientExchange:
             raise ValueError("mix of sharded (DTensor) and plain parameters is not supported")
         self.sharded = kinds == {True}
         self._group = group
-        self._bucket_bytes = bucket_bytes
         self._parts = 1 if self.sharded else group.world_size
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in trainable:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self._flats: list[_Flat] = []
-        for dtype, group_params in by_dtype.items():
-            numel = sum(local(p).numel() for p in group_params)
-            padded = -(-numel // self._parts) * self._parts
-            self._flats.append(
-                _Flat(
-                    params=group_params,
-                    replica=torch.zeros(padded, dtype=dtype),
-                    result=torch.zeros(padded, dtype=dtype),
-                )
-            )
+        self._buckets: list[_Bucket] = []
+        pending: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(trainable):
+            if pending and (p.dtype != pending[0].dtype or size >= bucket_bytes):
+                self._buckets.append(self._bucket(pending))
+                pending, size = [], 0
+            pending.append(p)
+            size += local(p).numel() * p.element_size()
+        if pending:
+            self._buckets.append(self._bucket(pending))
+        self._round: _Round | None = None
+
+    def _bucket(self, params: list[torch.nn.Parameter]) -> _Bucket:
+        numel = sum(local(p).numel() for p in params)
+        padded = max(1, -(-numel // self._parts)) * self._parts
+        dtype = params[0].dtype
+        return _Bucket(
+            params=params,
+            replica=torch.zeros(padded, dtype=dtype),
+            result=torch.zeros(padded, dtype=dtype),
+        )
+
+    @property
+    def bucket_params(self) -> list[list[torch.nn.Parameter]]:
+        """The params of each bucket, in bucket order."""
+        return [bucket.params for bucket in self._buckets]
 
     def capture(self) -> None:
         """Copies local gradients into the replica buffers (replicated: summed over the ranks)."""
-        for flat in self._flats:
-            offset = 0
-            for p in flat.params:
-                n = local(p).numel()
-                if p.grad is None:
-                    flat.replica[offset : offset + n].zero_()
-                else:
-                    flat.replica[offset : offset + n].copy_(local(p.grad).reshape(-1))
-                offset += n
-            if not self.sharded:
-                self._group.sum_(flat.replica)
+        for index in range(len(self._buckets)):
+            self.capture_bucket(index)
+
+    def capture_bucket(self, index: int) -> None:
+        """`capture` for one bucket; a collective inside the replica in the replicated layout."""
+        bucket = self._buckets[index]
+        offset = 0
+        for p in bucket.params:
+            n = local(p).numel()
+            if p.grad is None:
+                bucket.replica[offset : offset + n].zero_()
+            else:
+                bucket.replica[offset : offset + n].copy_(local(p.grad).reshape(-1))
+            offset += n
+        if not self.sharded:
+            self._group.sum_(bucket.replica)
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.chunk(self._parts)[self._group.rank] if self._parts > 1 else tensor
 
-    def _buckets(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        per_bucket = max(1, self._bucket_bytes // tensor.element_size())
-        return [tensor[i : i + per_bucket] for i in range(0, tensor.numel(), per_bucket)]
+    def begin(
+        self,
+        ring: FtarRing,
+        *,
+        contribute: bool,
+        num_contributors: int,
+        starting: Callable[[], None] | None = None,
+    ) -> None:
+        """Starts an attempt on `ring`; its buckets go out with `launch_through` and `wait`.
+
+        `starting` runs right before the first bucket goes out (fault injection: a rank dying
+        there leaves its peers mid-exchange)."""
+        if self._round is not None:
+            raise RuntimeError("an exchange attempt is already in progress")
+        self._round = _Round(ring, contribute, num_contributors, starting)
+
+    @property
+    def launched(self) -> int:
+        """Buckets of the current attempt already launched (they go out in bucket order)."""
+        return 0 if self._round is None else len(self._round.works)
+
+    def launch_through(self, index: int) -> None:
+        """Launches every not yet launched bucket up to and including `index`, in order; their
+        replica buffers must be captured."""
+        current = self._round
+        if current is None:
+            raise RuntimeError("no exchange attempt in progress")
+        while len(current.works) <= index:
+            if not current.works and current.starting is not None:
+                current.starting()
+            bucket = self._buckets[len(current.works)]
+            mine = self._mine(bucket.result)
+            mine.copy_(self._mine(bucket.replica))
+            current.works.append(
+                current.ring.allreduce(
+                    [mine],
+                    contribute=current.contribute,
+                    num_contributors=current.num_contributors,
+                )
+            )
+
+    def wait(self, timeout: float) -> RecoverableFtarError | None:
+        """Launches the attempt's remaining buckets and waits for all; returns the latched error,
+        if any. Fatal FTAR errors (bad arguments, layout mismatch) propagate: retrying cannot fix
+        them."""
+        current = self._round
+        if current is None:
+            raise RuntimeError("no exchange attempt in progress")
+        try:
+            self.launch_through(len(self._buckets) - 1)
+        finally:
+            self._round = None
+        error: RecoverableFtarError | None = None
+        for work in current.works:
+            try:
+                work.wait(timeout)
+            except RecoverableFtarError as exc:
+                error = error or exc
+        return error
+
+    def abandon(self) -> None:
+        """Forgets the current attempt without launching more (its ring failed to come up)."""
+        self._round = None
 
     def exchange(
         self,
@@ -108,41 +205,25 @@ class GradientExchange:
     ) -> RecoverableFtarError | None:
         """Averages this rank's part across the ring; returns the latched error, if any.
 
-        `starting` runs once the ring is up, right before the first bucket goes out (fault
-        injection: a rank dying there leaves its peers mid-exchange). Fatal FTAR errors (bad
-        arguments, layout mismatch) propagate: retrying cannot fix them."""
-        if starting is not None:
-            starting()
-        works: list[FtarWork] = []
-        for flat in self._flats:
-            mine = self._mine(flat.result)
-            mine.copy_(self._mine(flat.replica))
-            for bucket in self._buckets(mine):
-                works.append(
-                    ring.allreduce(
-                        [bucket], contribute=contribute, num_contributors=num_contributors
-                    )
-                )
-        error: RecoverableFtarError | None = None
-        for work in works:
-            try:
-                work.wait(timeout)
-            except RecoverableFtarError as exc:
-                error = error or exc
-        return error
+        `starting` runs once the ring is up, right before the first bucket goes out. All
+        buckets must be captured."""
+        self.begin(
+            ring, contribute=contribute, num_contributors=num_contributors, starting=starting
+        )
+        return self.wait(timeout)
 
     def apply(self) -> None:
         """Writes the averaged gradient into `.grad` (replicated: gathered inside the replica)."""
-        for flat in self._flats:
+        for bucket in self._buckets:
             if not self.sharded:
-                self._group.gather_slices_(flat.result)
+                self._group.gather_slices_(bucket.result)
                 if self._group.world_size > 1:
-                    flat.result.mul_(1.0 / self._group.world_size)
+                    bucket.result.mul_(1.0 / self._group.world_size)
             offset = 0
-            for p in flat.params:
+            for p in bucket.params:
                 target = local(p)
                 n = target.numel()
-                grad = flat.result[offset : offset + n].view_as(target)
+                grad = bucket.result[offset : offset + n].view_as(target)
                 if p.grad is None:
                     p.grad = _like(p, grad.clone())
                 else:

@@ -68,6 +68,26 @@ class StepOutcome:
     """Wall time of the phases: quorum, exchange, fetch, commit."""
 
 
+@dataclass(kw_only=True, slots=True)
+class _Overlap:
+    """What the gradient hooks of the current step's backward did (`overlap_backward`)."""
+
+    remaining: list[int]
+    """Per bucket, the params whose gradient has not arrived yet."""
+    captured: list[bool] = field(default_factory=list)
+    plan: StepPlan | None = None
+    quorum_s: float = 0.0
+    ring_error: RecoverableFtarError | None = None
+    launching: bool = False
+    """The attempt has begun on the ring: captured buckets go out in bucket order."""
+    error: Exception | None = None
+    """Raised by `finish_step`; the hooks do nothing more this step."""
+
+    def __post_init__(self) -> None:
+        if not self.captured:
+            self.captured = [False] * len(self.remaining)
+
+
 class Manager:
     """One rank's part in fault-tolerant training. Create one per rank, after the model and the
     optimizer; call `start_step()` before the forward pass and `finish_step()` after backward
@@ -95,10 +115,22 @@ class Manager:
         self._on_commit = on_commit
         self._faults = faults or FaultPlan([], None)
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        self._ring = FtarRing(ftar_config or FtarConfig())
         self._exchange = GradientExchange(
             list(model.parameters()), group, bucket_bytes=config.bucket_bytes
         )
+        if config.overlap_backward and self._exchange.sharded:
+            raise ValueError("overlap_backward is not supported with sharded (DTensor) params")
+        self._overlap: _Overlap | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if config.overlap_backward:
+            for index, params in enumerate(self._exchange.bucket_params):
+                for param in params:
+                    self._hooks.append(
+                        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                            lambda _param, index=index: self._on_grad(index)
+                        )
+                    )
+        self._ring = FtarRing(ftar_config or FtarConfig())
         self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
         self._quorum = QuorumClient(config.quorum_address, config.token)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
@@ -155,15 +187,29 @@ class Manager:
 
         Retries the exchange on new quorums until it commits; raises `TooManyFailedCommits`
         after `max_failed_commits` failures in a row, and `NoQuorumError` without a quorum."""
-        self.start_step()
         began = time.monotonic()
-        self._exchange.capture()
         seconds = {"quorum": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
+        overlap, self._overlap = self._overlap, None
+        if overlap is None:
+            self.start_step()
+            self._exchange.capture()
+        else:
+            if overlap.error is not None:
+                self._exchange.abandon()
+                raise overlap.error
+            for index, captured in enumerate(overlap.captured):
+                if not captured:  # params without a gradient this step
+                    self._exchange.capture_bucket(index)
+            seconds["quorum"] += overlap.quorum_s
         for attempt in range(1, self.config.max_failed_commits + 1):
-            t0 = time.monotonic()
-            plan = self._receive_plan()
-            seconds["quorum"] += time.monotonic() - t0
-            outcome = self._attempt(plan, attempt, seconds)
+            if attempt == 1 and overlap is not None:
+                assert overlap.plan is not None  # else the hooks kept an error, raised above
+                outcome = self._attempt(overlap.plan, attempt, seconds, overlap=overlap)
+            else:
+                t0 = time.monotonic()
+                plan = self._receive_plan()
+                seconds["quorum"] += time.monotonic() - t0
+                outcome = self._attempt(plan, attempt, seconds)
             if outcome is not None:
                 seconds["total"] = time.monotonic() - began
                 if self._on_commit is not None:
@@ -177,18 +223,22 @@ class Manager:
         )
 
     def _attempt(
-        self, plan: StepPlan, attempt: int, seconds: dict[str, float]
+        self,
+        plan: StepPlan,
+        attempt: int,
+        seconds: dict[str, float],
+        *,
+        overlap: _Overlap | None = None,
     ) -> StepOutcome | None:
-        if plan.max_step < self.step:
-            raise RuntimeError(
-                f"quorum max_step {plan.max_step} is behind this replica's {self.step}"
-            )
-        try:
-            self._ensure_ring(plan)
-        except RecoverableFtarError as exc:
+        """One exchange and vote; with `overlap`, the gradient hooks already checked the plan,
+        rebuilt the ring and launched the exchange."""
+        ring_error = overlap.ring_error if overlap is not None else None
+        if overlap is None:
+            ring_error = self._prepare(plan)
+        if ring_error is not None:
             # A peer vanished (or the watch aborted us) while connecting: this attempt fails,
             # but the vote still happens, so the replica's ranks stay in step.
-            log.warning("ring rebuild failed: %s", exc, extra=self._context())
+            log.warning("ring rebuild failed: %s", ring_error, extra=self._context())
             self.group.all_agree(False)
             return None
         recovering = self.step < plan.max_step
@@ -200,13 +250,18 @@ class Manager:
             self._peer_state.publish(self.step, self._snapshot(), self._meta())
             self._faults.hit("serve", self.step)
         t0 = time.monotonic()
-        error: BaseException | None = self._exchange.exchange(
-            self._ring,
-            contribute=not recovering,
-            num_contributors=plan.num_healthy,
-            timeout=self.config.exchange_timeout.total_seconds(),
-            starting=lambda: self._faults.hit("exchange", self.step),
-        )
+        timeout = self.config.exchange_timeout.total_seconds()
+        error: BaseException | None
+        if overlap is not None:
+            error = self._exchange.wait(timeout)
+        else:
+            error = self._exchange.exchange(
+                self._ring,
+                contribute=not recovering,
+                num_contributors=plan.num_healthy,
+                timeout=timeout,
+                starting=lambda: self._faults.hit("exchange", self.step),
+            )
         seconds["exchange"] += time.monotonic() - t0
         fetched = None
         if fetch is not None:
@@ -233,6 +288,70 @@ class Manager:
         outcome = self._commit(plan, attempt, recovering, seconds)
         seconds["commit"] = time.monotonic() - t0
         return outcome
+
+    def _prepare(self, plan: StepPlan) -> RecoverableFtarError | None:
+        """Checks the plan and rebuilds the ring for it; returns the error if the ring could not
+        be built (the attempt fails, recoverably)."""
+        if plan.max_step < self.step:
+            raise RuntimeError(
+                f"quorum max_step {plan.max_step} is behind this replica's {self.step}"
+            )
+        try:
+            self._ensure_ring(plan)
+        except RecoverableFtarError as exc:
+            return exc
+        return None
+
+    # ---- overlapping the exchange with backward ----------------------------------------------
+
+    def _on_grad(self, index: int) -> None:
+        """Post-accumulate-grad hook of a param of bucket `index` (`overlap_backward`).
+
+        The step's first hook receives the plan and rebuilds the ring; a bucket whose grads are
+        all in is summed inside the replica and, once every lower bucket is out, launched on the
+        ring. Every rank runs the same hooks in the same order (identical models), so the
+        replica's collectives match. Errors are kept for `finish_step` to raise."""
+        overlap = self._overlap
+        if overlap is None:
+            overlap = self._overlap = _Overlap(
+                remaining=[len(params) for params in self._exchange.bucket_params]
+            )
+            try:
+                self._begin_overlap(overlap)
+            except Exception as exc:
+                overlap.error = exc
+        if overlap.error is not None:
+            return
+        try:
+            overlap.remaining[index] -= 1
+            if overlap.remaining[index] != 0:
+                return
+            self._exchange.capture_bucket(index)
+            overlap.captured[index] = True
+            if overlap.launching:
+                launched = self._exchange.launched
+                while launched < len(overlap.captured) and overlap.captured[launched]:
+                    self._exchange.launch_through(launched)
+                    launched += 1
+        except Exception as exc:
+            overlap.error = exc
+
+    def _begin_overlap(self, overlap: _Overlap) -> None:
+        self.start_step()
+        t0 = time.monotonic()
+        plan = self._receive_plan()
+        overlap.quorum_s = time.monotonic() - t0
+        overlap.plan = plan
+        overlap.ring_error = self._prepare(plan)
+        if overlap.ring_error is not None:
+            return
+        self._exchange.begin(
+            self._ring,
+            contribute=self.step >= plan.max_step,
+            num_contributors=plan.num_healthy,
+            starting=lambda: self._faults.hit("exchange", self.step),
+        )
+        overlap.launching = True
 
     def _commit(
         self, plan: StepPlan, attempt: int, recovered: bool, seconds: dict[str, float]
@@ -400,6 +519,8 @@ class Manager:
         if self._stop.is_set():
             return
         self._stop.set()
+        for hook in self._hooks:
+            hook.remove()
         if self._watch_stream is not None:
             self._watch_stream.cancel()
         if self.group.is_leader:

@@ -58,6 +58,8 @@ class DemoConfig:
     """Smallest quorum; default a majority of `replicas`, so a minority never trains alone (I6)."""
     fsdp: bool = False
     """Shard each replica's model over its ranks with FSDP2 (HSDP) instead of replicating it."""
+    overlap_backward: bool = False
+    """Exchange gradient buckets across replicas while backward still runs (not with `fsdp`)."""
     restart_policy: str = "replica"
     """replica: only a failed replica restarts; job: all restart from the last durable
     checkpoint on any failure (the synchronous baseline that `bench.recovery` compares with)."""
@@ -74,6 +76,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
             raise ValueError("replicas and ranks must be >= 1")
+        if self.fsdp and self.overlap_backward:
+            raise ValueError("overlap_backward is not supported with fsdp")
         if self.kill_mode not in KILL_MODES:
             raise ValueError(f"kill_mode must be one of {KILL_MODES}")
         if self.duration <= timedelta(0):
@@ -181,6 +185,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 "--seed", str(config.seed),
                 "--durable-every-steps", str(config.durable_every_steps),
                 *(("--fsdp",) if config.fsdp else ()),
+                *(("--overlap-backward",) if config.overlap_backward else ()),
             ),
         )  # fmt: skip
         supervisor = Supervisor(

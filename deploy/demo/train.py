@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="shard the model over the replica's ranks with FSDP2 (HSDP); default: replicate",
     )
+    p.add_argument(
+        "--overlap-backward",
+        action="store_true",
+        help="exchange gradient buckets across replicas while backward still runs",
+    )
     return p.parse_args(argv)
 
 
@@ -156,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             token=token,
             shm_dir=args.shm_dir,
             durable_every_steps=args.durable_every_steps,
+            overlap_backward=args.overlap_backward,
         ),
         model=model,
         optimizer=optimizer,

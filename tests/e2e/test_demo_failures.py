@@ -155,6 +155,20 @@ def test_hsdp_with_fsdp2_inside_replicas_survives_kills(demo: DemoRunner) -> Non
     assert all(f["time_to_healthy_s"] is not None for f in report["failures"])
 
 
+def test_overlapping_the_exchange_with_backward_survives_kills(demo: DemoRunner) -> None:
+    """`overlap_backward`: each bucket goes out on its FTAR ring from a gradient hook while
+    backward still runs. Kills of single ranks still leave identical replicas (I1) and
+    exactly-once data (I2)."""
+    report = demo(
+        overlap_backward=True,
+        ranks=2,
+        duration=timedelta(seconds=25),
+        kill_every=timedelta(seconds=8),
+    )
+    _assert_i1_i2(report)
+    assert report["failures"]
+
+
 def test_fetch_slower_than_a_step_stalls_survivors_at_most_the_join_timeout(
     demo: DemoRunner, tmp_path: Path
 ) -> None:
