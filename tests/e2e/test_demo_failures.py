@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from deploy.demo.report import RunLog
 from tests.e2e.conftest import DemoRunner
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -30,16 +31,18 @@ def _assert_i1_i2(report: dict[str, Any]) -> None:
 
 
 def _commit_lines(run_dir: Path) -> list[dict[str, Any]]:
-    lines = []
-    for path in sorted((run_dir / "replicas").glob("*.jsonl")):
-        for raw in path.read_text().splitlines():
-            try:
-                event = json.loads(raw)
-            except json.JSONDecodeError:
-                continue  # a line cut by SIGKILL
-            if event.get("event") == "commit":
-                lines.append(event)
-    return lines
+    """Every commit line of every replica, through the report's own tolerant reader."""
+    return [
+        {
+            "t": c.t,
+            "replica": c.replica,
+            "step": c.step,
+            "healthy": list(c.healthy),
+            "recovered": c.recovered,
+            "attempts": c.attempts,
+        }
+        for c in RunLog.load(run_dir).commits()
+    ]
 
 
 def test_kills_leave_identical_replicas_and_exactly_once_data(demo: DemoRunner) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -46,3 +48,11 @@ def quorum_thread(token: str) -> Iterator[QuorumServerThread]:
     thread.start()
     yield thread
     thread.stop(timedelta(seconds=0.5))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:
+    """Polls `check` until it holds; fails after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)

@@ -16,6 +16,7 @@ import pytest
 
 from services.quorum.client import AsyncQuorumClient, MembershipEvent, Quorum, RankEndpoint
 from services.quorum.server import QuorumServer
+from tests.integration.conftest import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = timedelta(seconds=20)
@@ -35,14 +36,6 @@ async def client(quorum_server: QuorumServer, token: str) -> AsyncIterator[Async
     c = AsyncQuorumClient(quorum_server.address, token)
     yield c
     await c.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:
-    """Polls `check` until it holds; fails after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def next_event(stream: AsyncIterator[MembershipEvent], kind: str) -> MembershipEvent:

@@ -37,6 +37,7 @@ from services.quorum.client import (
     WorldSizeMismatchError,
 )
 from services.quorum.server import QuorumServer, QuorumServerThread
+from tests.integration.conftest import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
@@ -158,10 +159,7 @@ async def test_client_raises_typed_errors(quorum_server: QuorumServer, token: st
         async def dropped() -> bool:
             return not any(m.waiting for m in (await client.status()).members)
 
-        deadline = time.monotonic() + 5
-        while not await dropped():  # the expired call does not linger in the round
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        await eventually(dropped, seconds=5)  # the expired call does not linger in the round
 
 
 async def test_unexpected_failure_is_internal_without_details(
@@ -233,8 +231,7 @@ async def test_graceful_stop_releases_waiters_and_is_idempotent(
         async def a_waits() -> bool:
             return any(m.waiting for m in (await client.status()).members)
 
-        while not await a_waits():
-            await asyncio.sleep(0.02)
+        await eventually(a_waits)
         started = time.monotonic()
         await asyncio.gather(server.stop(timedelta(seconds=5)), server.stop())
         assert time.monotonic() - started < 3.0  # the long poll did not hold the drain
