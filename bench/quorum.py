@@ -2,6 +2,11 @@
 
     python -m bench.quorum --replicas 2,16,128,1024 --steps 10 --json quorum.json
 
+Each size runs with the in-memory store and with the Redis store (leader lease, fenced writes
+through to a local redis-server with an fsync'd append-only file), side by side
+(`--stores`). Then `bench.quorum_failover` measures failover: leader SIGKILL -> the next quorum
+served by the standby (`--failover-trials`).
+
 For each size N: the service runs in its own process; N replica leaders (AsyncQuorumClient, many
 per process on one shared channel, spread over --processes client processes) join and run K
 consecutive steps. Reported per round, over the steady steps (step 0, which ships every
@@ -23,13 +28,17 @@ import logging
 import multiprocessing as mp
 import secrets
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from bench.quorum_failover import run_failover
+from deploy.local_redis import LocalRedis
 from services.quorum.client import (
     CHANNEL_OPTIONS,
     AsyncQuorumClient,
@@ -45,8 +54,9 @@ QUORUM_TIMEOUT = timedelta(seconds=120)
 LEADERS_PER_CHANNEL = 64
 
 
-def _serve(conn: Connection, token: str) -> None:
-    """Service process: reports its address, runs until told to stop, returns round timings."""
+def _serve(conn: Connection, token: str, redis_url: str | None) -> None:
+    """Service process: reports its address once it leads, runs until told to stop, returns
+    round timings."""
     logging.basicConfig(level=logging.ERROR)  # evictions are expected here; keep the table clean
 
     async def main() -> None:
@@ -55,9 +65,13 @@ def _serve(conn: Connection, token: str) -> None:
             admin_port=None,
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             join_timeout=timedelta(seconds=30),
+            redis_url=redis_url,
+            redis_prefix=f"bench:{secrets.token_hex(4)}",
         )
         server = QuorumServer(config, token)
         await server.start()
+        while not server.is_leader:
+            await asyncio.sleep(0.01)
         conn.send(server.address)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         timings = [(t.round, t.participants, t.seconds) for t in server.round_timings()]
@@ -144,12 +158,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_size(n: int, steps: int, processes: int) -> dict[str, Any]:
-    """One size: service process + client processes; returns the measurements."""
+def run_size(n: int, steps: int, processes: int, redis_url: str | None = None) -> dict[str, Any]:
+    """One size: service process (Redis store when `redis_url`) + client processes; returns the
+    measurements."""
     ctx = mp.get_context("spawn")
     token = secrets.token_urlsafe(24)
     server_end, server_conn = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(server_conn, token), daemon=True)
+    server = ctx.Process(target=_serve, args=(server_conn, token, redis_url), daemon=True)
     server.start()
     address = server_end.recv()
     ids = [f"replica-{i:04d}" for i in range(n)]
@@ -183,6 +198,7 @@ def run_size(n: int, steps: int, processes: int) -> dict[str, Any]:
     detected = max(r["detected"] for r in reports if r["detected"] is not None)
     return {
         "replicas": n,
+        "store": "redis" if redis_url else "memory",
         "steps": steps,
         "client_processes": len(groups),
         "server_ms": [s * 1000 for s in server_rounds],
@@ -204,29 +220,60 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--processes", type=int, default=0, help="client processes (0: 1 up to 128 leaders, else 2)"
     )
+    parser.add_argument(
+        "--stores", default="memory,redis", help="memory and/or redis, side by side per size"
+    )
+    parser.add_argument(
+        "--failover-trials", type=int, default=5,
+        help="leader kills for the failover measurement (0 skips it; needs redis-server)",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.replicas.split(",") if s]
+    stores = [s for s in args.stores.split(",") if s]
     if args.steps < 2 or any(n < 2 for n in sizes):
         parser.error("need --steps >= 2 and every size >= 2 (one replica dies)")
+    if not set(stores) <= {"memory", "redis"}:
+        parser.error("--stores takes memory and/or redis")
+    with tempfile.TemporaryDirectory(prefix="fthsdp-bench-redis-") as tmp:
+        redis = None
+        if "redis" in stores or args.failover_trials:
+            redis = LocalRedis(Path(tmp), password=secrets.token_hex(8))
+            redis.start()
+        try:
+            results = _latency_table(sizes, stores, args, redis)
+            failover = run_failover(redis.url, args.failover_trials) if redis else None
+        finally:
+            if redis is not None:
+                redis.stop()
+    if args.json:
+        with open(args.json, "w") as out:
+            report = {"benchmark": "quorum", "results": results, "failover": failover}
+            json.dump(report, out, indent=2)
+    return 0
+
+
+def _latency_table(
+    sizes: list[int], stores: list[str], args: argparse.Namespace, redis: LocalRedis | None
+) -> list[dict[str, Any]]:
     results = []
-    header = f"{'replicas':>8} {'steps':>5} {'server p50':>11} {'server p99':>11} "
+    header = f"{'replicas':>8} {'store':>6} {'steps':>5} {'server p50':>11} {'server p99':>11} "
     header += f"{'client p50':>11} {'client p99':>11} {'detection':>10}"
     print(header)
     for n in sizes:
         processes = args.processes or (1 if n <= 128 else 2)
-        r = run_size(n, args.steps, processes)
-        results.append(r)
-        print(
-            f"{n:>8} {args.steps:>5} {r['server_p50_ms']:>9.2f}ms {r['server_p99_ms']:>9.2f}ms "
-            f"{r['client_p50_ms']:>9.2f}ms {r['client_p99_ms']:>9.2f}ms {r['detection_s']:>9.3f}s",
-            flush=True,
-        )
+        for store in stores:
+            url = redis.url if store == "redis" and redis is not None else None
+            r = run_size(n, args.steps, processes, url)
+            results.append(r)
+            print(
+                f"{n:>8} {store:>6} {args.steps:>5} {r['server_p50_ms']:>9.2f}ms "
+                f"{r['server_p99_ms']:>9.2f}ms {r['client_p50_ms']:>9.2f}ms "
+                f"{r['client_p99_ms']:>9.2f}ms {r['detection_s']:>9.3f}s",
+                flush=True,
+            )
     print("targets: server p99 <= 5 ms at 16 replicas, <= 50 ms at 1024; detection <= 1 s + slack")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"benchmark": "quorum", "results": results}, out, indent=2)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -24,53 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/quorum.proto\x12\tfthsdp.v1\"0\n\x0cRankEndpoint\x12\x0c\n\x04\x66tar\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\"]\n\x0bJoinRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\"6\n\x0cJoinResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tquorum_id\x18\x02 \x01(\x04\"\x8a\x01\n\rQuorumRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rcommit_failed\x18\x04 \x01(\x08\x12\x17\n\x0fknown_quorum_id\x18\x05 \x01(\x04\x12\x12\n\nattempt_id\x18\x06 \x01(\x04\"m\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\">\n\x12RecoveryAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66irst_source\x18\x02 \x03(\r\"\xbe\x01\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x10\n\x08max_step\x18\x02 \x01(\x03\x12(\n\x07members\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.QuorumMember\x12\x1a\n\x12\x65ndpoints_included\x18\x04 \x01(\x08\x12\x31\n\nrecovering\x18\x05 \x03(\x0b\x32\x1d.fthsdp.v1.RecoveryAssignment\x12\x0e\n\x06reason\x18\x06 \x01(\t\";\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"&\n\x11HeartbeatResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\"v\n\x14ReportFailureRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x0bincarnation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08reporter\x18\x04 \x01(\tB\x0e\n\x0c_incarnation\"(\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\"G\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"&\n\rStatusRequest\x12\x15\n\rhistory_limit\x18\x01 \x01(\r\"\xc8\x01\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x0f\n\x07waiting\x18\x06 \x01(\x08\x12\x18\n\x10last_seen_ms_ago\x18\x07 \x01(\x04\x12&\n\x05ranks\x18\x08 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpointB\x07\n\x05_step\"\x8d\x01\n\rQuorumSummary\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x0f\n\x07healthy\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0e\x66ormed_unix_ms\x18\x07 \x01(\x03\"\x87\x01\n\x0eStatusResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12)\n\x07history\x18\x03 \x03(\x0b\x32\x18.fthsdp.v1.QuorumSummary\x12\r\n\x05round\x18\x04 \x01(\x04\"\x0e\n\x0cWatchRequest\"{\n\rWatchResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.fthsdp.v1.EventKind\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t*\x9b\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x01\x12\x15\n\x11\x45VENT_KIND_JOINED\x10\x02\x12\x13\n\x0f\x45VENT_KIND_LEFT\x10\x03\x12\x16\n\x12\x45VENT_KIND_EVICTED\x10\x04\x12\x15\n\x11\x45VENT_KIND_QUORUM\x10\x05\x32\xdc\x03\n\rQuorumService\x12\x37\n\x04Join\x12\x16.fthsdp.v1.JoinRequest\x1a\x17.fthsdp.v1.JoinResponse\x12=\n\x06Quorum\x12\x18.fthsdp.v1.QuorumRequest\x1a\x19.fthsdp.v1.QuorumResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12R\n\rReportFailure\x12\x1f.fthsdp.v1.ReportFailureRequest\x1a .fthsdp.v1.ReportFailureResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse\x12<\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x18.fthsdp.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/quorum.proto\x12\tfthsdp.v1\"0\n\x0cRankEndpoint\x12\x0c\n\x04\x66tar\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\"]\n\x0bJoinRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\"L\n\x0cJoinResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tquorum_id\x18\x02 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x04\"\x8a\x01\n\rQuorumRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rcommit_failed\x18\x04 \x01(\x08\x12\x17\n\x0fknown_quorum_id\x18\x05 \x01(\x04\x12\x12\n\nattempt_id\x18\x06 \x01(\x04\"m\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\">\n\x12RecoveryAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66irst_source\x18\x02 \x03(\r\"\xd4\x01\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x10\n\x08max_step\x18\x02 \x01(\x03\x12(\n\x07members\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.QuorumMember\x12\x1a\n\x12\x65ndpoints_included\x18\x04 \x01(\x08\x12\x31\n\nrecovering\x18\x05 \x03(\x0b\x32\x1d.fthsdp.v1.RecoveryAssignment\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x07 \x01(\x04\";\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"<\n\x11HeartbeatResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x02 \x01(\x04\"v\n\x14ReportFailureRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x0bincarnation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08reporter\x18\x04 \x01(\tB\x0e\n\x0c_incarnation\"(\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\"G\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"&\n\rStatusRequest\x12\x15\n\rhistory_limit\x18\x01 \x01(\r\"\xc8\x01\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x0f\n\x07waiting\x18\x06 \x01(\x08\x12\x18\n\x10last_seen_ms_ago\x18\x07 \x01(\x04\x12&\n\x05ranks\x18\x08 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpointB\x07\n\x05_step\"\x8d\x01\n\rQuorumSummary\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x0f\n\x07healthy\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0e\x66ormed_unix_ms\x18\x07 \x01(\x03\"\x9d\x01\n\x0eStatusResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12)\n\x07history\x18\x03 \x03(\x0b\x32\x18.fthsdp.v1.QuorumSummary\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x04\"\x0e\n\x0cWatchRequest\"{\n\rWatchResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.fthsdp.v1.EventKind\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t*\x9b\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x01\x12\x15\n\x11\x45VENT_KIND_JOINED\x10\x02\x12\x13\n\x0f\x45VENT_KIND_LEFT\x10\x03\x12\x16\n\x12\x45VENT_KIND_EVICTED\x10\x04\x12\x15\n\x11\x45VENT_KIND_QUORUM\x10\x05\x32\xdc\x03\n\rQuorumService\x12\x37\n\x04Join\x12\x16.fthsdp.v1.JoinRequest\x1a\x17.fthsdp.v1.JoinResponse\x12=\n\x06Quorum\x12\x18.fthsdp.v1.QuorumRequest\x1a\x19.fthsdp.v1.QuorumResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12R\n\rReportFailure\x12\x1f.fthsdp.v1.ReportFailureRequest\x1a .fthsdp.v1.ReportFailureResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse\x12<\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x18.fthsdp.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.quorum_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTKIND']._serialized_start=1764
-  _globals['_EVENTKIND']._serialized_end=1919
+  _globals['_EVENTKIND']._serialized_start=1852
+  _globals['_EVENTKIND']._serialized_end=2007
   _globals['_RANKENDPOINT']._serialized_start=34
   _globals['_RANKENDPOINT']._serialized_end=82
   _globals['_JOINREQUEST']._serialized_start=84
   _globals['_JOINREQUEST']._serialized_end=177
   _globals['_JOINRESPONSE']._serialized_start=179
-  _globals['_JOINRESPONSE']._serialized_end=233
-  _globals['_QUORUMREQUEST']._serialized_start=236
-  _globals['_QUORUMREQUEST']._serialized_end=374
-  _globals['_QUORUMMEMBER']._serialized_start=376
-  _globals['_QUORUMMEMBER']._serialized_end=485
-  _globals['_RECOVERYASSIGNMENT']._serialized_start=487
-  _globals['_RECOVERYASSIGNMENT']._serialized_end=549
-  _globals['_QUORUMRESPONSE']._serialized_start=552
-  _globals['_QUORUMRESPONSE']._serialized_end=742
-  _globals['_HEARTBEATREQUEST']._serialized_start=744
-  _globals['_HEARTBEATREQUEST']._serialized_end=803
-  _globals['_HEARTBEATRESPONSE']._serialized_start=805
-  _globals['_HEARTBEATRESPONSE']._serialized_end=843
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=845
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=963
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=965
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1005
-  _globals['_LEAVEREQUEST']._serialized_start=1007
-  _globals['_LEAVEREQUEST']._serialized_end=1078
-  _globals['_LEAVERESPONSE']._serialized_start=1080
-  _globals['_LEAVERESPONSE']._serialized_end=1095
-  _globals['_STATUSREQUEST']._serialized_start=1097
-  _globals['_STATUSREQUEST']._serialized_end=1135
-  _globals['_MEMBERSTATUS']._serialized_start=1138
-  _globals['_MEMBERSTATUS']._serialized_end=1338
-  _globals['_QUORUMSUMMARY']._serialized_start=1341
-  _globals['_QUORUMSUMMARY']._serialized_end=1482
-  _globals['_STATUSRESPONSE']._serialized_start=1485
-  _globals['_STATUSRESPONSE']._serialized_end=1620
-  _globals['_WATCHREQUEST']._serialized_start=1622
-  _globals['_WATCHREQUEST']._serialized_end=1636
-  _globals['_WATCHRESPONSE']._serialized_start=1638
-  _globals['_WATCHRESPONSE']._serialized_end=1761
-  _globals['_QUORUMSERVICE']._serialized_start=1922
-  _globals['_QUORUMSERVICE']._serialized_end=2398
+  _globals['_JOINRESPONSE']._serialized_end=255
+  _globals['_QUORUMREQUEST']._serialized_start=258
+  _globals['_QUORUMREQUEST']._serialized_end=396
+  _globals['_QUORUMMEMBER']._serialized_start=398
+  _globals['_QUORUMMEMBER']._serialized_end=507
+  _globals['_RECOVERYASSIGNMENT']._serialized_start=509
+  _globals['_RECOVERYASSIGNMENT']._serialized_end=571
+  _globals['_QUORUMRESPONSE']._serialized_start=574
+  _globals['_QUORUMRESPONSE']._serialized_end=786
+  _globals['_HEARTBEATREQUEST']._serialized_start=788
+  _globals['_HEARTBEATREQUEST']._serialized_end=847
+  _globals['_HEARTBEATRESPONSE']._serialized_start=849
+  _globals['_HEARTBEATRESPONSE']._serialized_end=909
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=911
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1029
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1031
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1071
+  _globals['_LEAVEREQUEST']._serialized_start=1073
+  _globals['_LEAVEREQUEST']._serialized_end=1144
+  _globals['_LEAVERESPONSE']._serialized_start=1146
+  _globals['_LEAVERESPONSE']._serialized_end=1161
+  _globals['_STATUSREQUEST']._serialized_start=1163
+  _globals['_STATUSREQUEST']._serialized_end=1201
+  _globals['_MEMBERSTATUS']._serialized_start=1204
+  _globals['_MEMBERSTATUS']._serialized_end=1404
+  _globals['_QUORUMSUMMARY']._serialized_start=1407
+  _globals['_QUORUMSUMMARY']._serialized_end=1548
+  _globals['_STATUSRESPONSE']._serialized_start=1551
+  _globals['_STATUSRESPONSE']._serialized_end=1708
+  _globals['_WATCHREQUEST']._serialized_start=1710
+  _globals['_WATCHREQUEST']._serialized_end=1724
+  _globals['_WATCHRESPONSE']._serialized_start=1726
+  _globals['_WATCHRESPONSE']._serialized_end=1849
+  _globals['_QUORUMSERVICE']._serialized_start=2010
+  _globals['_QUORUMSERVICE']._serialized_end=2486
 # @@protoc_insertion_point(module_scope)

@@ -125,19 +125,25 @@ class JoinResponse(_message.Message):
 
     INCARNATION_FIELD_NUMBER: _builtins.int
     QUORUM_ID_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """New incarnation of the replica, strictly greater than any earlier one of the same replica_id."""
     quorum_id: _builtins.int
     """The latest quorum id the service has formed (0 if none yet); informational."""
+    leader_epoch: _builtins.int
+    """Lease epoch of the answering leader (0 without a standby setup); clients reject an answer
+    from an epoch lower than one they have already seen (a deposed leader's late answer).
+    """
     def __init__(
         self,
         *,
         incarnation: _builtins.int = ...,
         quorum_id: _builtins.int = ...,
+        leader_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "quorum_id", b"quorum_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "leader_epoch", b"leader_epoch", "quorum_id", b"quorum_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -268,6 +274,7 @@ class QuorumResponse(_message.Message):
     ENDPOINTS_INCLUDED_FIELD_NUMBER: _builtins.int
     RECOVERING_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """Epoch of the membership: grows on every membership change or reported commit failure."""
     max_step: _builtins.int
@@ -276,6 +283,8 @@ class QuorumResponse(_message.Message):
     """Whether members carry their rank endpoints (false when quorum_id == known_quorum_id)."""
     reason: _builtins.str
     """Why the quorum formed (for logs)."""
+    leader_epoch: _builtins.int
+    """Lease epoch of the answering leader (0 without a standby setup); see JoinResponse."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuorumMember]:
         """Members sorted by replica_id: this order is the ring order."""
@@ -293,10 +302,11 @@ class QuorumResponse(_message.Message):
         endpoints_included: _builtins.bool = ...,
         recovering: _abc.Iterable[Global___RecoveryAssignment] | None = ...,
         reason: _builtins.str = ...,
+        leader_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints_included", b"endpoints_included", "max_step", b"max_step", "members", b"members", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints_included", b"endpoints_included", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -335,16 +345,20 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     QUORUM_ID_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """The latest quorum id formed; lets a replica notice a new epoch without asking."""
+    leader_epoch: _builtins.int
+    """Lease epoch of the answering leader (0 without a standby setup); see JoinResponse."""
     def __init__(
         self,
         *,
         quorum_id: _builtins.int = ...,
+        leader_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["quorum_id", b"quorum_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader_epoch", b"leader_epoch", "quorum_id", b"quorum_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -591,10 +605,13 @@ class StatusResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """The latest quorum id formed (0 if none)."""
     round: _builtins.int
     """Formation counter of the latest round."""
+    leader_epoch: _builtins.int
+    """Lease epoch of the answering leader (0 without a standby setup); see JoinResponse."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberStatus]:
         """Every registered replica, sorted by replica_id."""
@@ -610,10 +627,11 @@ class StatusResponse(_message.Message):
         members: _abc.Iterable[Global___MemberStatus] | None = ...,
         history: _abc.Iterable[Global___QuorumSummary] | None = ...,
         round: _builtins.int = ...,
+        leader_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "members", b"members", "quorum_id", b"quorum_id", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "leader_epoch", b"leader_epoch", "members", b"members", "quorum_id", b"quorum_id", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

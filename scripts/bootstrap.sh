@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Prepares a fresh machine for fthsdp: a virtual environment in .venv with the CPU build of torch,
-# the project with its dev extras, and redis-server. Safe to run again; it skips what is done.
+# the project with its dev extras, redis-server, and chromium (for the dashboard test).
+# Safe to run again; it skips what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${FTHSDP_VENV:-.venv}
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "bootstrap: installing redis-server" >&2
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-fi
+# apt_install PACKAGE PATH: installs a Debian package when PATH is not an executable yet.
+apt_install() {
+  if [ -x "$2" ] || command -v "$(basename "$2")" >/dev/null 2>&1; then
+    return
+  fi
+  echo "bootstrap: installing $1" >&2
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$1" >/dev/null
+}
+
+apt_install redis-server /usr/bin/redis-server  # the Redis store, standby quorum, tests
+apt_install chromium /usr/bin/chromium          # the dashboard test drives it headless
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "bootstrap: creating $VENV" >&2

@@ -68,6 +68,13 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], Callable[[Any], Any], str]] =
         "drain time on shutdown, ms (default 5000)",
     ),
     ("--log-level", "log_level", str, str, "critical|error|warning|info|debug (default warning)"),
+    (
+        "--redis-url",
+        "redis_url",
+        str,
+        str,
+        "keep data positions in Redis, redis://[:password@]host:port/db (default: files)",
+    ),
 ]
 
 

@@ -43,6 +43,9 @@ class CheckpointConfig:
     """How long stop() drains open requests and durable writes before cancelling them."""
     log_level: str = "warning"
     """uvicorn's log level (access logs are off below 'info')."""
+    redis_url: str | None = None
+    """Keep data-position records in Redis (`redis://[:password@]host:port/db`), shared by every
+    sidecar of the job; None: fsync'd files under `durable_root/positions` on this host."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,5 +64,9 @@ class CheckpointConfig:
             raise ValueError("checksum_threads must be at least 1")
         if self.checksum_wait <= timedelta(0) or self.shutdown_grace < timedelta(0):
             raise ValueError("checksum_wait must be positive and shutdown_grace non-negative")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"unknown log level {self.log_level!r}")

@@ -20,10 +20,17 @@ from services.checkpoint.config import CheckpointConfig
 from services.checkpoint.durable import DurableStore, DurableWriter
 from services.checkpoint.snapshots import SnapshotRegistry
 from services.checkpoint.store import FilePositionStore, PositionStore
+from services.checkpoint.store_redis import RedisPositionStore
 from services.common.tokens import Token
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 30.0
+
+
+def _position_store(config: CheckpointConfig) -> PositionStore:
+    if config.redis_url is not None:
+        return RedisPositionStore(config.redis_url)
+    return FilePositionStore(config.durable_root / "positions")
 
 
 class CheckpointServer:
@@ -46,7 +53,7 @@ class CheckpointServer:
             registry=registry,
             durable=store,
             writer=DurableWriter(store, metrics.on_durable),
-            positions=positions or FilePositionStore(config.durable_root / "positions"),
+            positions=positions or _position_store(config),
             metrics=metrics,
         )
         self.app = create_app(self.services)

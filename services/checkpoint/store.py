@@ -1,7 +1,7 @@
 """Where data positions live: a Protocol, an in-memory adapter and an fsync'd JSONL file adapter.
 
-A Redis adapter can implement the same Protocol later (the quorum service already depends on
-redis); the sidecar defaults to files under its durable root, so positions survive its restart."""
+The Redis adapter (`store_redis.py`) shares positions between the sidecars of a job; the
+sidecar defaults to files under its durable root, so positions survive its restart."""
 
 from __future__ import annotations
 

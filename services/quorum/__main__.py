@@ -33,8 +33,17 @@ _FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("heartbeat-timeout-ms", "heartbeat_timeout", int, "evict after silence, ms (default 1000)"),
     ("history-size", "history_size", int, "recent quorums kept for Status (default 128)"),
     ("shutdown-grace-ms", "shutdown_grace", int, "drain time on stop, ms (default 5000)"),
+    (
+        "redis-url",
+        "redis_url",
+        str,
+        "durable store + leader election, redis://[:password@]host:port/db; instances with the "
+        "same URL and prefix elect one leader, the others stand by (default: in memory)",
+    ),
+    ("redis-prefix", "redis_prefix", str, "key prefix in Redis (default fthsdp:quorum)"),
+    ("lease-ttl-ms", "lease_ttl", int, "leader lease lifetime, ms (default 1000)"),
 )
-_MILLISECONDS = {"join_timeout", "heartbeat_timeout", "shutdown_grace"}
+_MILLISECONDS = {"join_timeout", "heartbeat_timeout", "shutdown_grace", "lease_ttl"}
 
 
 def _env_name(flag: str) -> str:
@@ -88,7 +97,9 @@ async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
     """Runs the server until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
     # The in-memory store starts its epochs above the wall clock so that a restarted service
     # never reissues an id the previous one handed out (I3 without a durable store).
-    store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
+    store = None
+    if config.redis_url is None:
+        store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
     server = QuorumServer(config, token, store=store)
     await server.start()
     print(_banner(server), file=out or sys.stdout, flush=True)
@@ -116,8 +127,9 @@ async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
 
 def _banner(server: QuorumServer) -> str:
     admin = f"http://{server.admin_address}/metrics" if server.admin_address else "off"
+    role = "leader election via redis" if server.config.redis_url else "in-memory store"
     return (
-        f"fthsdp-quorum listening on {server.address} ({SERVICE_NAME}; admin {admin})\n"
+        f"fthsdp-quorum listening on {server.address} ({SERVICE_NAME}; admin {admin}; {role})\n"
         f"  python: QuorumClient({server.address!r}, token).status()\n"
         f'  grpcurl: grpcurl -plaintext -H "authorization: Bearer $FTHSDP_TOKEN" '
         f"{server.address} {SERVICE_NAME}/Status"

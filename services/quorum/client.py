@@ -16,7 +16,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
@@ -27,6 +27,7 @@ from protos import quorum_pb2_grpc as pb_grpc
 from services.common.backoff import Backoff, sleep_before_retry
 from services.common.tokens import Token
 from services.quorum import client_codec as codec
+from services.quorum.client_failover import Failover, parse_addresses
 from services.quorum.client_types import (
     AuthError,
     EventKind,
@@ -76,6 +77,9 @@ __all__ = [
 
 DEFAULT_RPC_TIMEOUT = timedelta(seconds=5)
 DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=30)
+DEFAULT_BACKOFF = Backoff(maximum=timedelta(milliseconds=500))
+"""Retries of one service stay frequent (at most 0.5 s apart): a failover to a standby takes
+about one lease, and heartbeats must reach the new leader within its grace."""
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -89,6 +93,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.enable_retries", 0),
 ]
+
+
+_STALE_LEADER = "answer from a deposed quorum leader (older lease epoch); asking another instance"
 
 
 def _translate(err: grpc.RpcError) -> QuorumError:
@@ -185,9 +192,10 @@ def _report_request(
 class WatchStream(Iterator[MembershipEvent]):
     """A blocking iterator of membership events; `cancel()` (from any thread) ends it."""
 
-    def __init__(self, call: Any, forget: Any) -> None:
+    def __init__(self, call: Any, forget: Any, failed: Callable[[], None]) -> None:
         self._call = call
         self._forget = forget
+        self._failed = failed
         self._cancelled = False
 
     def __iter__(self) -> WatchStream:
@@ -203,7 +211,10 @@ class WatchStream(Iterator[MembershipEvent]):
             self._forget(self)
             if self._cancelled:
                 raise StopIteration from None
-            raise _translate(err) from None
+            error = _translate(err)
+            if isinstance(error, QuorumUnavailableError):
+                self._failed()  # the next watch() asks another instance
+            raise error from None
         return codec.event_from_pb(msg)
 
     def cancel(self) -> None:
@@ -223,7 +234,7 @@ class QuorumClient:
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         token: str | Token,
         *,
         rpc_timeout: timedelta = DEFAULT_RPC_TIMEOUT,
@@ -231,17 +242,22 @@ class QuorumClient:
         backoff: Backoff | None = None,
         decode_cache: QuorumDecodeCache | None = None,
     ) -> None:
-        """`rpc_timeout` bounds one attempt of a short RPC; `connect_timeout` bounds how long a
-        call keeps retrying while the service is unavailable."""
+        """`address`: `host:port`, or every instance of a leader/standby setup (a sequence or a
+        comma-separated string; see `client_failover`). `rpc_timeout` bounds one attempt of a
+        short RPC; `connect_timeout` bounds how long a call keeps retrying while the service is
+        unavailable."""
         if rpc_timeout <= timedelta(0) or connect_timeout < timedelta(0):
             raise ValueError("rpc_timeout must be positive and connect_timeout not negative")
         secret = token if isinstance(token, Token) else Token(token)
         self._metadata = (("authorization", secret.header()),)
         self._rpc_timeout = _seconds(rpc_timeout)
         self._connect_timeout = _seconds(connect_timeout)
-        self._backoff = backoff or Backoff()
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.QuorumServiceStub(self._channel)
+        self._backoff = backoff or DEFAULT_BACKOFF
+        self._failover = Failover(parse_addresses(address))
+        self._channels = [
+            grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._failover.addresses
+        ]
+        self._stubs = [pb_grpc.QuorumServiceStub(c) for c in self._channels]
         self._endpoints = decode_cache or QuorumDecodeCache()
         self._streams: set[WatchStream] = set()
         self._lock = threading.Lock()
@@ -249,7 +265,7 @@ class QuorumClient:
 
     def join(self, replica_id: str, ranks: Sequence[RankEndpoint]) -> int:
         """Registers this process start of the replica; returns its new incarnation."""
-        response = self._call(self._stub.Join, _join_request(replica_id, ranks))
+        response = self._call("Join", _join_request(replica_id, ranks))
         return int(response.incarnation)
 
     def quorum(
@@ -260,15 +276,18 @@ class QuorumClient:
         *,
         commit_failed: bool = False,
         timeout: timedelta,
+        unavailable_budget: timedelta | None = None,
     ) -> Quorum:
         """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
-        `timeout`."""
+        `timeout`. With `unavailable_budget`, QuorumUnavailableError as soon as no instance of
+        the service has answered for that long (the caller may go on without it)."""
         deadline = time.monotonic() + _seconds(timeout)
         attempt = _new_attempt_id()
         known = self._endpoints.known_quorum_id
+        budget = None if unavailable_budget is None else _seconds(unavailable_budget)
         while True:
             request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
-            response = self._call(self._stub.Quorum, request, deadline=deadline)
+            response = self._call("Quorum", request, deadline=deadline, unavailable_budget=budget)
             quorum = self._endpoints.decode(response)
             if quorum is not None:
                 return quorum
@@ -277,7 +296,7 @@ class QuorumClient:
     def heartbeat(self, replica_id: str, incarnation: int) -> None:
         """Tells the service the replica is alive."""
         self._call(
-            self._stub.Heartbeat,
+            "Heartbeat",
             pb.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation),
         )
 
@@ -286,27 +305,28 @@ class QuorumClient:
     ) -> bool:
         """Evicts a replica at once; True if this report evicted it (False: already gone)."""
         request = _report_request(replica_id, reason, reporter, incarnation)
-        return bool(self._call(self._stub.ReportFailure, request).evicted)
+        return bool(self._call("ReportFailure", request).evicted)
 
     def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:
         """Leaves gracefully."""
         request = pb.LeaveRequest(replica_id=replica_id, incarnation=incarnation, reason=reason)
-        self._call(self._stub.Leave, request)
+        self._call("Leave", request)
 
     def status(self, history_limit: int = 0) -> StatusSnapshot:
         """Membership with liveness, and recent quorums (all kept when `history_limit` is 0)."""
-        response = self._call(self._stub.Status, pb.StatusRequest(history_limit=history_limit))
+        response = self._call("Status", pb.StatusRequest(history_limit=history_limit))
         return codec.status_from_pb(response)
 
     def watch(self, *, timeout: timedelta | None = None) -> WatchStream:
         """Membership events, the first being a `snapshot`; blocks between events. End it with
         `cancel()` on the stream or `close()` on the client, from any thread."""
-        call = self._stub.Watch(
+        index = self._failover.current
+        call = self._stubs[index].Watch(
             pb.WatchRequest(),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )
-        stream = WatchStream(call, self._forget)
+        stream = WatchStream(call, self._forget, lambda: self._failover.advance(index))
         with self._lock:
             if self._closed:
                 stream.cancel()
@@ -321,7 +341,8 @@ class QuorumClient:
             self._streams.clear()
         for stream in streams:
             stream.cancel()
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> QuorumClient:
         return self
@@ -333,23 +354,50 @@ class QuorumClient:
         with self._lock:
             self._streams.discard(stream)
 
-    def _call(self, method: Any, request: Any, *, deadline: float | None = None) -> Any:
-        """One RPC: per-attempt deadline; UNAVAILABLE retried with backoff until the budget."""
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        deadline: float | None = None,
+        unavailable_budget: float | None = None,
+    ) -> Any:
+        """One RPC: per-attempt deadline; UNAVAILABLE moves to the next address at once and is
+        retried with backoff (after every address refused) until the budget."""
         budget_end = deadline if deadline is not None else time.monotonic() + self._connect_timeout
+        unavailable_since: float | None = None
         delays = self._backoff.delays()
         last: QuorumError = QuorumTimeoutError("the call's deadline passed")
+        refusals = 0
         while True:
             attempt = self._rpc_timeout if deadline is None else deadline - time.monotonic()
             if attempt <= 0:
                 raise last
+            index = self._failover.current
             try:
-                return method(request, timeout=attempt, metadata=self._metadata)
+                stub_method = getattr(self._stubs[index], method)
+                response = stub_method(request, timeout=attempt, metadata=self._metadata)
             except grpc.RpcError as err:
                 last = _translate(err)
                 if not isinstance(last, QuorumUnavailableError):
                     raise last from None
-                if not sleep_before_retry(delays, budget_end):
-                    raise last from None
+            else:
+                if self._failover.accept(response):
+                    return response
+                last = QuorumUnavailableError(_STALE_LEADER)
+            self._failover.advance(index)
+            refusals += 1
+            now = time.monotonic()
+            unavailable_since = now if unavailable_since is None else unavailable_since
+            give_up = budget_end
+            if unavailable_budget is not None:
+                give_up = min(give_up, unavailable_since + unavailable_budget)
+            if now >= give_up:
+                raise last from None
+            if refusals % len(self._stubs) == 0 and not sleep_before_retry(delays, give_up):
+                raise last from None
+            if time.monotonic() >= budget_end:
+                raise last from None
 
 
 # ---- asyncio client -------------------------------------------------------------------------
@@ -358,8 +406,9 @@ class QuorumClient:
 class AsyncWatchStream:
     """An async iterator of membership events; `cancel()` ends it."""
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, call: Any, failed: Callable[[], None]) -> None:
         self._call = call
+        self._failed = failed
         self._cancelled = False
 
     def __aiter__(self) -> AsyncIterator[MembershipEvent]:
@@ -375,7 +424,10 @@ class AsyncWatchStream:
         except grpc.RpcError as err:
             if self._cancelled:
                 return
-            raise _translate(err) from None
+            error = _translate(err)
+            if isinstance(error, QuorumUnavailableError):
+                self._failed()
+            raise error from None
 
     def cancel(self) -> None:
         """Ends the stream."""
@@ -388,7 +440,7 @@ class AsyncQuorumClient:
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         token: str | Token,
         *,
         rpc_timeout: timedelta = DEFAULT_RPC_TIMEOUT,
@@ -405,16 +457,24 @@ class AsyncQuorumClient:
         self._metadata = (("authorization", secret.header()),)
         self._rpc_timeout = _seconds(rpc_timeout)
         self._connect_timeout = _seconds(connect_timeout)
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or DEFAULT_BACKOFF
         self._owns_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.QuorumServiceStub(self._channel)
+        self._failover = Failover(parse_addresses(address))
+        self._channels = (
+            [channel]
+            if channel is not None
+            else [
+                grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+                for a in self._failover.addresses
+            ]
+        )
+        self._stubs = [pb_grpc.QuorumServiceStub(c) for c in self._channels]
         self._endpoints = decode_cache or QuorumDecodeCache()
         self._streams: set[AsyncWatchStream] = set()
 
     async def join(self, replica_id: str, ranks: Sequence[RankEndpoint]) -> int:
         """Registers this process start of the replica; returns its new incarnation."""
-        response = await self._call(self._stub.Join, _join_request(replica_id, ranks))
+        response = await self._call("Join", _join_request(replica_id, ranks))
         return int(response.incarnation)
 
     async def quorum(
@@ -433,7 +493,7 @@ class AsyncQuorumClient:
         known = self._endpoints.known_quorum_id
         while True:
             request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
-            response = await self._call(self._stub.Quorum, request, deadline=deadline)
+            response = await self._call("Quorum", request, deadline=deadline)
             quorum = self._endpoints.decode(response)
             if quorum is not None:
                 return quorum
@@ -442,7 +502,7 @@ class AsyncQuorumClient:
     async def heartbeat(self, replica_id: str, incarnation: int) -> None:
         """Tells the service the replica is alive."""
         await self._call(
-            self._stub.Heartbeat,
+            "Heartbeat",
             pb.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation),
         )
 
@@ -451,28 +511,27 @@ class AsyncQuorumClient:
     ) -> bool:
         """Evicts a replica at once; True if this report evicted it (False: already gone)."""
         request = _report_request(replica_id, reason, reporter, incarnation)
-        return bool((await self._call(self._stub.ReportFailure, request)).evicted)
+        return bool((await self._call("ReportFailure", request)).evicted)
 
     async def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:
         """Leaves gracefully."""
         request = pb.LeaveRequest(replica_id=replica_id, incarnation=incarnation, reason=reason)
-        await self._call(self._stub.Leave, request)
+        await self._call("Leave", request)
 
     async def status(self, history_limit: int = 0) -> StatusSnapshot:
         """Membership with liveness, and recent quorums."""
-        response = await self._call(
-            self._stub.Status, pb.StatusRequest(history_limit=history_limit)
-        )
+        response = await self._call("Status", pb.StatusRequest(history_limit=history_limit))
         return codec.status_from_pb(response)
 
     def watch(self, *, timeout: timedelta | None = None) -> AsyncWatchStream:
         """Membership events, the first being a `snapshot`; end it with `cancel()` or `close()`."""
-        call = self._stub.Watch(
+        index = self._failover.current
+        call = self._stubs[index].Watch(
             pb.WatchRequest(),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )
-        stream = AsyncWatchStream(call)
+        stream = AsyncWatchStream(call, lambda: self._failover.advance(index))
         self._streams.add(stream)
         return stream
 
@@ -482,7 +541,8 @@ class AsyncQuorumClient:
             stream.cancel()
         self._streams.clear()
         if self._owns_channel:
-            await self._channel.close(None)
+            for channel in self._channels:
+                await channel.close(None)
 
     async def __aenter__(self) -> AsyncQuorumClient:
         return self
@@ -490,19 +550,31 @@ class AsyncQuorumClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Any, request: Any, *, deadline: float | None = None) -> Any:
+    async def _call(self, method: str, request: Any, *, deadline: float | None = None) -> Any:
         budget_end = deadline if deadline is not None else time.monotonic() + self._connect_timeout
         delays = self._backoff.delays()
         last: QuorumError = QuorumTimeoutError("the call's deadline passed")
+        refusals = 0
         while True:
             attempt = self._rpc_timeout if deadline is None else deadline - time.monotonic()
             if attempt <= 0:
                 raise last
+            index = self._failover.current
             try:
-                return await method(request, timeout=attempt, metadata=self._metadata)
+                stub_method = getattr(self._stubs[index], method)
+                response = await stub_method(request, timeout=attempt, metadata=self._metadata)
             except grpc.RpcError as err:
                 last = _translate(err)
-                remaining = budget_end - time.monotonic()
-                if not isinstance(last, QuorumUnavailableError) or remaining <= 0:
+                if not isinstance(last, QuorumUnavailableError):
                     raise last from None
+            else:
+                if self._failover.accept(response):
+                    return response
+                last = QuorumUnavailableError(_STALE_LEADER)
+            self._failover.advance(index)
+            refusals += 1
+            remaining = budget_end - time.monotonic()
+            if remaining <= 0:
+                raise last from None
+            if refusals % len(self._stubs) == 0:
                 await asyncio.sleep(min(next(delays), remaining))

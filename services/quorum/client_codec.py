@@ -199,6 +199,7 @@ def status_from_pb(msg: pb.StatusResponse) -> StatusSnapshot:
     return StatusSnapshot(
         quorum_id=msg.quorum_id,
         round=msg.round,
+        leader_epoch=msg.leader_epoch,
         members=tuple(
             MemberStatus(
                 replica_id=m.replica_id,

@@ -163,6 +163,8 @@ class StatusSnapshot:
     """Every registered replica, sorted by replica_id."""
     quorums: tuple[QuorumSummary, ...]
     """Recent quorums, oldest first."""
+    leader_epoch: int = 0
+    """Lease epoch of the answering leader (0 without a standby setup)."""
 
 
 # ---- errors: one root, so callers can catch everything the quorum service raises ------------

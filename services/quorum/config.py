@@ -36,6 +36,16 @@ class QuorumConfig:
     must re-subscribe (it gets a fresh snapshot)."""
     shutdown_grace: timedelta = timedelta(seconds=5)
     """On stop, how long in-flight RPCs may finish before they are cancelled."""
+    redis_url: str | None = None
+    """Durable store and leader election (`redis://[:password@]host:port/db`). None: the
+    in-memory store, one instance. Set: membership, incarnations and quorum ids live in Redis,
+    and every instance with the same URL and prefix competes for one lease; the others stand by
+    (they answer UNAVAILABLE, so clients fail over) and take over when the leader dies."""
+    redis_prefix: str = "fthsdp:quorum"
+    """Key prefix in Redis: one job (or one control plane) per prefix."""
+    lease_ttl: timedelta = timedelta(seconds=1)
+    """Leader lease lifetime: a standby takes over at most about this long (plus a tenth of it)
+    after the leader dies; the leader renews five times per lease."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -51,5 +61,13 @@ class QuorumConfig:
                 raise ValueError(f"{name} must be positive")
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        if not self.redis_prefix or any(c in self.redis_prefix for c in "{}|"):
+            raise ValueError("redis_prefix must be non-empty without '{', '}' or '|'")
+        if self.lease_ttl < timedelta(milliseconds=100):
+            raise ValueError("lease_ttl must be at least 100 ms")
         if self.history_size < 1 or self.watch_queue_size < 1:
             raise ValueError("history_size and watch_queue_size must be >= 1")

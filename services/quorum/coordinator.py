@@ -37,7 +37,7 @@ from services.quorum.client_types import (
 )
 from services.quorum.config import QuorumConfig
 from services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
-from services.quorum.errors import InternalError, ShuttingDownError
+from services.quorum.errors import InternalError, NotLeaderError, ShuttingDownError
 from services.quorum.metrics import QuorumMetrics
 from services.quorum.store import QuorumStore
 
@@ -155,9 +155,11 @@ class Coordinator:
         """Restores epochs and membership from the store and starts the expiry task."""
         last = await self._store.last_quorum()
         self._state = CoreState(last=last, epoch_floor=await self._store.epoch_floor())
-        now = self._clock()
+        # Restored members get two heartbeat timeouts to show up: their clients are failing
+        # over to this instance with backoff and must not be evicted for the takeover itself.
+        shows_up_by = self._clock() + self._config.heartbeat_timeout.total_seconds()
         for reg in await self._store.members():
-            self._state.register(reg, now)  # a fresh heartbeat timeout to show up
+            self._state.register(reg, shows_up_by)
         self._metrics.quorum_id.set(self._state.last_quorum_id)
         self._metrics.members.set(len(self._state.registered))
         if sweep:
@@ -373,11 +375,17 @@ class Coordinator:
         try:
             async with self._store_lock:
                 await self._store.save_quorum(formation.record)
-        except Exception:
+        except Exception as exc:
             log.exception("could not persist quorum %d", formation.record.quorum_id)
+            # A fenced (deposed) leader's callers must fail over, not see an internal error.
+            error = (
+                exc
+                if isinstance(exc, NotLeaderError)
+                else InternalError("could not persist the quorum")
+            )
             for waiter in waiters:
                 if not waiter.future.done():
-                    waiter.future.set_exception(InternalError("could not persist the quorum"))
+                    waiter.future.set_exception(error)
             return
         for waiter in waiters:
             if waiter.ask.attempt_id:

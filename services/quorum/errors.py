@@ -24,10 +24,22 @@ class ShuttingDownError(QuorumError):
     """The service is draining; the caller should retry (against a standby) (gRPC UNAVAILABLE)."""
 
 
+class NotLeaderError(QuorumError):
+    """This instance is a standby (or just stepped down): ask another address (gRPC
+    UNAVAILABLE, so clients fail over by themselves)."""
+
+
+class FencedError(NotLeaderError):
+    """A store write was refused because another instance took the lease since this one was
+    elected: this instance must stop deciding at once."""
+
+
 __all__ = [
     "AuthError",
+    "FencedError",
     "InternalError",
     "InvalidRequestError",
+    "NotLeaderError",
     "QuorumError",
     "QuorumTimeoutError",
     "QuorumUnavailableError",

@@ -57,3 +57,11 @@ class QuorumMetrics:
         )
         self.members = Gauge("fthsdp_quorum_members", "Registered replicas.", registry=r)
         self.quorum_id = Gauge("fthsdp_quorum_id", "Latest quorum id formed.", registry=r)
+        self.leader = Gauge(
+            "fthsdp_quorum_leader", "1 while this instance decides, 0 on a standby.", registry=r
+        )
+        self.leader_changes = Counter(
+            "fthsdp_quorum_leader_changes_total",
+            "Times this instance was elected leader.",
+            registry=r,
+        )

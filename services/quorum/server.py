@@ -38,9 +38,10 @@ from services.quorum.client_types import (
 from services.quorum.config import QuorumConfig
 from services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
 from services.quorum.core import Formation
-from services.quorum.errors import ShuttingDownError
+from services.quorum.election import CoordinatorSlot
+from services.quorum.errors import NotLeaderError, ShuttingDownError
 from services.quorum.metrics import QuorumMetrics
-from services.quorum.store import InMemoryStore, QuorumStore
+from services.quorum.store import QuorumStore
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
     WorldSizeMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, "world_size_mismatch"),
     SupersededRequestError: (grpc.StatusCode.ABORTED, "superseded"),
     ShuttingDownError: (grpc.StatusCode.UNAVAILABLE, "shutting_down"),
+    NotLeaderError: (grpc.StatusCode.UNAVAILABLE, "not_leader"),
     InternalError: (grpc.StatusCode.INTERNAL, "internal"),
 }
 """Domain error -> (gRPC status, error kind for the trailing metadata); the most derived class
@@ -138,10 +140,14 @@ def _refusal(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[
 class _Servicer:
     """`fthsdp.v1.QuorumService` handlers."""
 
-    def __init__(self, coordinator: Coordinator, metrics: QuorumMetrics) -> None:
-        self._coordinator = coordinator
+    def __init__(
+        self, leader: Callable[[], tuple[Coordinator, int]], metrics: QuorumMetrics
+    ) -> None:
+        """`leader()` returns the deciding coordinator and its lease epoch, or raises
+        NotLeaderError on a standby."""
+        self._leader = leader
         self._metrics = metrics
-        self._encoded: dict[tuple[int, bool], bytes] = {}
+        self._encoded: dict[tuple[int, int, bool], bytes] = {}
 
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         """Method handlers; responses may be pre-encoded bytes (see `_encode`)."""
@@ -194,13 +200,15 @@ class _Servicer:
         return handle
 
     async def _join(self, request: pb.JoinRequest) -> Message:
-        incarnation, quorum_id = await self._coordinator.join(
+        coordinator, epoch = self._leader()
+        incarnation, quorum_id = await coordinator.join(
             request.replica_id, request.world_size, codec.ranks_from_pb(request.ranks)
         )
-        return pb.JoinResponse(incarnation=incarnation, quorum_id=quorum_id)
+        return pb.JoinResponse(incarnation=incarnation, quorum_id=quorum_id, leader_epoch=epoch)
 
     async def _quorum(self, request: pb.QuorumRequest) -> bytes:
-        formation = await self._coordinator.quorum(
+        coordinator, epoch = self._leader()
+        formation = await coordinator.quorum(
             QuorumAsk(
                 replica_id=request.replica_id,
                 incarnation=request.incarnation,
@@ -210,43 +218,47 @@ class _Servicer:
             )
         )
         endpoints = request.known_quorum_id != formation.quorum.quorum_id
-        return self._encoded_answer(formation, endpoints)
+        return self._encoded_answer(formation, endpoints, epoch)
 
-    def _encoded_answer(self, formation: Formation, endpoints: bool) -> bytes:
-        key = (formation.record.round, endpoints)
+    def _encoded_answer(self, formation: Formation, endpoints: bool, epoch: int) -> bytes:
+        key = (epoch, formation.record.round, endpoints)
         data = self._encoded.get(key)
         if data is None:
             if len(self._encoded) >= 8:
                 self._encoded.clear()
-            data = self._encoded[key] = codec.quorum_to_pb(
-                formation.quorum, endpoints=endpoints
-            ).SerializeToString()
+            message = codec.quorum_to_pb(formation.quorum, endpoints=endpoints)
+            message.leader_epoch = epoch
+            data = self._encoded[key] = message.SerializeToString()
         return data
 
     async def _heartbeat(self, request: pb.HeartbeatRequest) -> Message:
-        quorum_id = self._coordinator.heartbeat(request.replica_id, request.incarnation)
-        return pb.HeartbeatResponse(quorum_id=quorum_id)
+        coordinator, epoch = self._leader()
+        quorum_id = coordinator.heartbeat(request.replica_id, request.incarnation)
+        return pb.HeartbeatResponse(quorum_id=quorum_id, leader_epoch=epoch)
 
     async def _report_failure(self, request: pb.ReportFailureRequest) -> Message:
         incarnation = request.incarnation if request.HasField("incarnation") else None
-        evicted = self._coordinator.report_failure(
+        evicted = self._leader()[0].report_failure(
             request.replica_id, incarnation, request.reason, request.reporter
         )
         return pb.ReportFailureResponse(evicted=evicted)
 
     async def _leave(self, request: pb.LeaveRequest) -> Message:
-        self._coordinator.leave(request.replica_id, request.incarnation, request.reason)
+        self._leader()[0].leave(request.replica_id, request.incarnation, request.reason)
         return pb.LeaveResponse()
 
     async def _status(self, request: pb.StatusRequest) -> Message:
-        snapshot = await self._coordinator.status(request.history_limit)
-        return codec.status_to_pb(snapshot)
+        coordinator, epoch = self._leader()
+        message = codec.status_to_pb(await coordinator.status(request.history_limit))
+        message.leader_epoch = epoch
+        return message
 
     async def _watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Message]:
         try:
-            sub = self._coordinator.subscribe()
+            coordinator = self._leader()[0]
+            sub = coordinator.subscribe()
         except QuorumError as exc:
             code, kind, message = status_for(exc)
             context.set_trailing_metadata(((codec.ERROR_KIND_KEY, kind),))
@@ -265,7 +277,7 @@ class _Servicer:
                     return
                 yield codec.event_to_pb(event)
         finally:
-            self._coordinator.unsubscribe(sub)
+            coordinator.unsubscribe(sub)
 
 
 class QuorumServer:
@@ -286,8 +298,9 @@ class QuorumServer:
         self.config = config
         self._token = token if isinstance(token, Token) else Token(token)
         self.metrics = metrics or QuorumMetrics()
-        self._store = store or InMemoryStore(history_size=config.history_size)
-        self.coordinator = Coordinator(config, self._store, metrics=self.metrics)
+        if store is not None and config.redis_url is not None:
+            raise ValueError("pass either a store or config.redis_url, not both")
+        self._slot = CoordinatorSlot(config, self.metrics, store=store, on_serving=self._serve)
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._admin: AdminServer | None = None
@@ -302,7 +315,6 @@ class QuorumServer:
         """Binds and starts serving; returns `address`."""
         if self._server is not None:
             raise RuntimeError("QuorumServer.start() called twice")
-        await self.coordinator.start()
         server = grpc.aio.server(
             interceptors=[_BearerAuth(self._token, self.metrics)],
             options=[
@@ -319,7 +331,7 @@ class QuorumServer:
             ],
         )
         server.add_generic_rpc_handlers(
-            (_Servicer(self.coordinator, self.metrics).generic_handler(),)
+            (_Servicer(self._slot.current, self.metrics).generic_handler(),)
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -337,19 +349,41 @@ class QuorumServer:
             )
             self._admin.start()
             self.admin_address = self._admin.address
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._serving = True
+        await self._slot.start(self.address)
         log.info("quorum service listening", extra={"address": self.address})
         return self.address
 
+    @property
+    def coordinator(self) -> Coordinator:
+        """The deciding coordinator (NotLeaderError on a standby)."""
+        return self._slot.current()[0]
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this instance decides now (always, without leader election)."""
+        return self._slot.coordinator is not None
+
+    @property
+    def leader_epoch(self) -> int:
+        """Lease epoch of the current leadership (0 without leader election)."""
+        return self._slot.leader_epoch
+
     def is_serving(self) -> bool:
-        """Whether the service accepts requests (readiness)."""
+        """Whether the service accepts requests (readiness): started, not stopping, leading."""
         return self._serving
+
+    async def _serve(self, serving: bool) -> None:
+        if self._stopping is not None and serving:
+            return
+        self._serving = serving
+        status = health_pb2.HealthCheckResponse
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status.SERVING if serving else status.NOT_SERVING)
 
     def round_timings(self) -> list[RoundTiming]:
         """Recent server-side round latencies (for benchmarks)."""
-        return list(self.coordinator.round_timings)
+        coordinator = self._slot.coordinator
+        return list(coordinator.round_timings) if coordinator else []
 
     async def stop(self, grace: timedelta | None = None) -> None:
         """Stops gracefully (see the class doc); idempotent and safe to call concurrently."""
@@ -366,7 +400,7 @@ class QuorumServer:
         self._serving = False
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
-            await self.coordinator.close()
+            await self._slot.close()
             await self._server.stop(grace.total_seconds())
             await self._server.wait_for_termination(0)
         if self._admin is not None:

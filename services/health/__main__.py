@@ -1,0 +1,183 @@
+"""`python -m services.health` / `fthsdp-health`: run the central health service or a node agent.
+
+Flags carry units; each falls back to an `FTHSDP_HEALTH_*` environment variable, then to the
+default (flag > env > default). This is the only module that reads the environment. SIGTERM or
+SIGINT drains gracefully; a second SIGINT exits at once. One banner line starting
+`fthsdp-health listening on ` names the gRPC address and the HTTP URL."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from services.common.tokens import Token, load_token
+from services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
+from services.health.runner import HealthNode
+from services.health.server import SERVICE_NAME
+
+log = logging.getLogger("services.health")
+
+ENV_PREFIX = "FTHSDP_HEALTH_"
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+    ("host", "host", str, "interface to bind (default 127.0.0.1)"),
+    ("port", "port", int, "gRPC ingest port, 0 = any free port (central 7460, agent 7462)"),
+    ("http-port", "http_port", int, "HTTP port, 0 = any, -1 = off (central 7461, agent 7463)"),
+    ("central", "central", str, "agent: the central service's gRPC host:port"),
+    ("quorum", "quorum", _addresses, "quorum service host:port list, comma-separated"),
+    ("node", "node", str, "this host's name (default: the host name)"),
+    ("redis-url", "redis_url", str, "central: keep incidents in Redis (default: in memory)"),
+    ("heartbeat-timeout-ms", "heartbeat_timeout", int, "agent: fail a silent rank after, ms"),
+    ("check-interval-ms", "check_interval", int, "agent: fail-stop check period, ms (50)"),
+    ("evaluate-interval-ms", "evaluate_interval", int, "central: detector period, ms (100)"),
+    ("forward-interval-ms", "forward_interval", int, "agent: forward period, ms (100)"),
+    ("max-batch-records", "max_batch_records", int, "agent: records per forward (2000)"),
+    ("max-buffered-records", "max_buffered_records", int, "agent: buffer bound (100000)"),
+    ("shutdown-grace-ms", "shutdown_grace", int, "drain time on stop, ms (default 2000)"),
+)
+_MILLISECONDS = {
+    "heartbeat_timeout",
+    "check_interval",
+    "evaluate_interval",
+    "forward_interval",
+    "shutdown_grace",
+}
+
+
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every flag also reads FTHSDP_HEALTH_<FLAG> from the environment)."""
+    parser = argparse.ArgumentParser(
+        prog="fthsdp-health",
+        description="fthsdp health service: central detectors + dashboard, or a node agent",
+    )
+    parser.add_argument(
+        "--mode", choices=MODES, default=None, help=f"central or agent [env {_env_name('mode')}]"
+    )
+    for flag, _, kind, text in _FLAGS:
+        parser.add_argument(
+            f"--{flag}", type=kind, default=None, help=f"{text} [env {_env_name(flag)}]"
+        )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the bearer token [env FTHSDP_TOKEN_FILE, "
+        "or the token itself in FTHSDP_TOKEN]",
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... [env FTHSDP_LOG_LEVEL]")
+    return parser
+
+
+def _lookup(args: argparse.Namespace, env: Mapping[str, str], flag: str, kind: Any) -> Any:
+    raw: Any = getattr(args, flag.replace("-", "_"))
+    if raw is None:
+        name = _env_name(flag)
+        if env.get(name, "") != "":
+            try:
+                raw = kind(env[name])
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+    return raw
+
+
+def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> HealthConfig:
+    """HealthConfig from flags, then FTHSDP_HEALTH_* variables, then defaults.
+
+    Raises ValueError (naming the variable) for an unparsable or invalid value."""
+    mode: Mode = _lookup(args, env, "mode", str) or "central"
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    grpc_port, http_port = DEFAULT_PORTS[mode]
+    values: dict[str, Any] = {
+        "mode": mode,
+        "port": grpc_port,
+        "http_port": http_port,
+        "node": socket.gethostname() or "localhost",
+    }
+    for flag, field, kind, _ in _FLAGS:
+        raw = _lookup(args, env, flag, kind)
+        if raw is None:
+            continue
+        if field in _MILLISECONDS:
+            raw = timedelta(milliseconds=raw)
+        if field == "http_port" and raw < 0:
+            raw = None
+        values[field] = raw
+    return HealthConfig(**values)
+
+
+async def serve(config: HealthConfig, token: Token, *, out: Any = None) -> None:
+    """Runs until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
+    node = HealthNode(config, token)
+    await node.start()
+    print(_banner(node), file=out or sys.stdout, flush=True)
+    stop = asyncio.Event()
+    interrupts = 0
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                log.warning("second interrupt: exiting without draining")
+                os._exit(130)
+        log.info("signal %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stop.wait()
+    finally:
+        await node.stop()
+
+
+def _banner(node: HealthNode) -> str:
+    http = f"{node.http_url}/dashboard" if node.http_url else "http off"
+    return (
+        f"fthsdp-health listening on {node.grpc_address} and {http} "
+        f"({node.config.mode}, {SERVICE_NAME}; open the dashboard as {http}#token=...)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script `fthsdp-health`."""
+    args = build_parser().parse_args(argv)
+    env = os.environ
+    logging.basicConfig(
+        level=(args.log_level or env.get("FTHSDP_LOG_LEVEL") or "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = resolve_config(args, env)
+        token = load_token(path=args.token_file, env=dict(env))
+    except (ValueError, OSError) as exc:
+        print(f"fthsdp-health: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config, token))
+    except OSError as exc:
+        print(f"fthsdp-health: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

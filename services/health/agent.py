@@ -1,0 +1,251 @@
+"""The node agent: the first of the two heartbeat levels.
+
+Every rank on a host reports to the agent on 127.0.0.1. The agent runs `FailStopDetector` over
+its ranks' heartbeats every `check_interval`; a rank silent for `heartbeat_timeout` is reported to
+the quorum service at once (so the survivors' next quorum leaves its replica out: kill -> new
+quorum within about heartbeat_timeout + check_interval + one RPC), and the incident goes to the
+central service with the outcome of the report.
+
+Everything else (step, collective and fingerprint records, clean departures) is buffered and
+forwarded to the central service every `forward_interval` with the node's compact state (its
+ranks, their steps and silence), so the central load grows with nodes, not ranks. Losing the
+central service never blocks the agent: a forward has a deadline, failed batches are dropped and
+counted (incidents excepted: they are kept and retried), the buffer is bounded, and retries back
+off up to a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from protos import health_pb2_grpc as pb_grpc
+from services.common.tokens import Token
+from services.health.client_codec import NodeRank, NodeState, ReportBatch, batch_to_pb, restamp
+from services.health.config import HealthConfig
+from services.health.detectors.failstop import FailStopDetector
+from services.health.metrics import HealthMetrics
+from services.health.quorum_link import QuorumLink
+from services.health.telemetry import (
+    CollectiveRecord,
+    Fingerprint,
+    Incident,
+    RankId,
+    StepRecord,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_HELD_INCIDENTS = 1000
+_MAX_BACKOFF_S = 5.0
+
+
+class NodeAgent:
+    """One host's agent; all methods run on one event loop."""
+
+    def __init__(
+        self,
+        config: HealthConfig,
+        token: Token,
+        metrics: HealthMetrics,
+        *,
+        quorum: QuorumLink | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._token = token
+        self._metrics = metrics
+        self._quorum = quorum
+        self._clock = clock
+        self._detector = FailStopDetector(config.heartbeat_timeout.total_seconds())
+        self._records: deque[Any] = deque()
+        self._incidents: deque[Incident] = deque(maxlen=_MAX_HELD_INCIDENTS)
+        self._dropped = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reports: set[asyncio.Task[None]] = set()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.HealthServiceStub | None = None
+        self.forwarded = 0
+        """Batches the central service accepted."""
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped on the way to the central service (full buffer or failed forward)."""
+        return self._dropped
+
+    # ---- ingest from local ranks ------------------------------------------------------------
+
+    async def ingest(self, batch: ReportBatch) -> None:
+        """Takes one validated batch from a local rank."""
+        for hb in batch.heartbeats:
+            self._detector.beat(hb)
+        for rank in batch.left:
+            self._detector.leave(rank)
+        self._buffer(batch.steps)
+        self._buffer(batch.collectives)
+        self._buffer(batch.fingerprints)
+        self._buffer(batch.left)
+        self._incidents.extend(batch.incidents)
+        self._metrics.ranks.set(len(self._detector.tracked()))
+
+    def _buffer(self, records: tuple[Any, ...]) -> None:
+        if not records:
+            return
+        room = self._config.max_buffered_records - len(self._records)
+        if room < len(records):
+            # Keep the newest: the oldest telemetry is the least useful to the detectors.
+            excess = len(records) - max(room, 0)
+            for _ in range(min(excess, len(self._records))):
+                self._records.popleft()
+            self._drop(excess)
+        self._records.extend(records[-self._config.max_buffered_records :])
+
+    def _drop(self, count: int) -> None:
+        self._dropped += count
+        self._metrics.dropped.inc(count)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the check loop and, with a central address, the forward loop."""
+        if self._tasks:
+            return
+        self._tasks.append(asyncio.create_task(self._check_loop(), name="agent-check"))
+        if self._config.central is not None:
+            self._channel = grpc.aio.insecure_channel(
+                self._config.central,
+                options=[
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                    ("grpc.enable_retries", 0),
+                ],
+            )
+            self._stub = pb_grpc.HealthServiceStub(self._channel)
+            self._tasks.append(asyncio.create_task(self._forward_loop(), name="agent-forward"))
+
+    async def stop(self) -> None:
+        """Stops the loops, lets pending quorum reports finish, flushes once, closes."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._reports:
+            await asyncio.wait(self._reports, timeout=5)
+        if self._stub is not None:
+            with contextlib.suppress(Exception):
+                await self._forward_once()
+        if self._channel is not None:
+            await self._channel.close(None)
+            self._channel = None
+
+    # ---- fail-stop: local detection, immediate report ---------------------------------------
+
+    async def _check_loop(self) -> None:
+        interval = self._config.check_interval.total_seconds()
+        while True:
+            try:
+                self.check_once()
+            except Exception:
+                log.exception("agent check failed")
+            await asyncio.sleep(interval)
+
+    def check_once(self) -> list[Incident]:
+        """One fail-stop check; each new incident starts its quorum report at once."""
+        found = self._detector.check(self._clock())
+        for incident in found:
+            log.warning("incident: %s", incident.summary, extra={"replica_id": incident.replica_id})
+            self._metrics.incidents.labels(kind=incident.kind.value).inc()
+            task = asyncio.create_task(self._report(incident))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+        self._metrics.ranks.set(len(self._detector.tracked()))
+        return found
+
+    async def _report(self, incident: Incident) -> None:
+        evidence: dict[str, Any] = {"found_by": f"agent:{self._config.node}", "policy": "evict"}
+        if self._quorum is not None:
+            reason = f"fail_stop: {incident.summary}"
+            outcome = await self._quorum.report_failure(
+                incident.replica_id, reason, reporter=f"fthsdp-health-agent:{self._config.node}"
+            )
+            last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
+            latency = self._clock() - last_beat
+            if outcome == "evicted":
+                self._metrics.detection_seconds.observe(latency)
+            evidence |= {"quorum": outcome, "silence_to_report_s": round(latency, 4)}
+        else:
+            evidence["quorum"] = "not_configured"
+        self._incidents.append(restamp(incident, evidence=evidence))
+
+    # ---- forwarding -------------------------------------------------------------------------
+
+    async def _forward_loop(self) -> None:
+        interval = self._config.forward_interval.total_seconds()
+        delay = interval
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                ok = await self._forward_once()
+            except Exception:
+                log.exception("agent forward failed unexpectedly")
+                ok = False
+            delay = interval if ok else min(delay * 2, _MAX_BACKOFF_S)
+
+    def node_state(self) -> NodeState:
+        """This node's compact state: every beating rank (silent ones are already incidents)."""
+        now = self._clock()
+        ranks = []
+        for rank in self._detector.tracked():
+            beat = self._detector.last_beat(rank)
+            if beat is None or self._detector.silent(rank):
+                continue
+            ranks.append(NodeRank(rank=rank, step=beat.step, silent_s=max(0.0, now - beat.at)))
+        return NodeState(node=self._config.node, ranks=tuple(ranks), dropped=self._dropped)
+
+    def _take_batch(self) -> ReportBatch:
+        room = self._config.max_batch_records
+        incidents = tuple(self._incidents.popleft() for _ in range(min(room, len(self._incidents))))
+        room -= len(incidents)
+        taken = [self._records.popleft() for _ in range(min(room, len(self._records)))]
+        return ReportBatch(
+            source=f"agent:{self._config.node}",
+            host=self._config.node,
+            steps=tuple(r for r in taken if isinstance(r, StepRecord)),
+            collectives=tuple(r for r in taken if isinstance(r, CollectiveRecord)),
+            fingerprints=tuple(r for r in taken if isinstance(r, Fingerprint)),
+            left=tuple(r for r in taken if isinstance(r, RankId)),
+            incidents=incidents,
+            node=self.node_state(),
+        )
+
+    async def _forward_once(self) -> bool:
+        """Sends one batch; False (after dropping its records, keeping its incidents) on error."""
+        if self._stub is None:
+            return False
+        stub: Any = self._stub  # the generated stubs type only the blocking call
+        batch = self._take_batch()
+        request = batch_to_pb(batch, sent_at=self._clock())
+        try:
+            await stub.Report(
+                request,
+                timeout=self._config.forward_timeout.total_seconds(),
+                metadata=(("authorization", self._token.header()),),
+            )
+        except grpc.RpcError as err:
+            self._metrics.forwards.labels(outcome="failed").inc()
+            self._incidents.extendleft(reversed(batch.incidents))
+            self._drop(batch.size() - len(batch.incidents))
+            code = err.code() if isinstance(err, grpc.Call) else None
+            log.debug("forward to the central service failed: %s", code)
+            return False
+        self._metrics.forwards.labels(outcome="ok").inc()
+        self.forwarded += 1
+        return True

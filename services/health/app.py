@@ -1,0 +1,403 @@
+"""The health service's HTTP wire (FastAPI): the read API, detector settings, the dashboard,
+probes and metrics; and `HttpServer`, uvicorn embedded in the service's own event loop.
+
+Auth: everything needs the bearer token except /livez, /readyz, the dashboard shell and its
+static files (the page reads the token from its URL fragment, `#token=...`, which browsers never
+send to the server, and presents it as an Authorization header on its API calls), and the OpenAPI
+schema pages (they describe the API, not the job). /metrics needs the token: scrapers send it with
+`authorization` (Prometheus `bearer_token_file`).
+
+Errors: one table (`ERROR_STATUS`) from domain errors to statuses; every error body is JSON
+`{"error": code, "detail": text}`; malformed parameters are 400 `invalid_argument`; anything
+unexpected is a 500 without a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.common.tokens import Token
+from services.health.agent import NodeAgent
+from services.health.client_codec import incident_to_json
+from services.health.client_types import (
+    MAX_CLOCK_VALUE,
+    HealthAuthError,
+    HealthError,
+    HealthUnavailableError,
+    InvalidReportError,
+    NotFoundError,
+    UpstreamError,
+)
+from services.health.detectors.config import DetectorConfig
+from services.health.metrics import HealthMetrics
+from services.health.quorum_link import QuorumLink
+from services.health.service import CentralEngine
+from services.health.store import RECORD_KINDS, RecordKind
+from services.health.telemetry import IncidentKind
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_BODY_BYTES = 64 * 1024
+_OPEN_PATHS = frozenset({"/livez", "/readyz", "/", "/dashboard", "/openapi.json", "/docs"})
+
+ERROR_STATUS: dict[type[HealthError], int] = {
+    InvalidReportError: 400,
+    HealthAuthError: 401,
+    NotFoundError: 404,
+    UpstreamError: 502,
+    HealthUnavailableError: 503,
+}
+"""Domain error -> HTTP status (the most derived class wins; anything else is 500)."""
+
+
+def status_of(error: HealthError) -> int:
+    for cls in type(error).__mro__:
+        if cls in ERROR_STATUS:
+            return ERROR_STATUS[cls]
+    return 500
+
+
+def error_response(status: int, code: str, detail: str) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+@dataclass(slots=True)
+class ApiContext:
+    """What the routes work on."""
+
+    token: Token
+    metrics: HealthMetrics
+    ready: Callable[[], bool]
+    engine: CentralEngine | None = None
+    agent: NodeAgent | None = None
+    quorum: QuorumLink | None = None
+
+
+class GuardMiddleware:
+    """Pure ASGI: the bearer token on everything but the open paths, a bound on bodies, and the
+    request counter."""
+
+    def __init__(self, app: ASGIApp, context: ApiContext) -> None:
+        self.app = app
+        self.context = context
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refuse(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            self._count(scope, refusal.status_code)
+            return
+        status = [500]
+
+        async def send_and_note(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self._count(scope, status[0])
+
+    def _refuse(self, scope: Scope) -> JSONResponse | None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        path: str = scope["path"]
+        open_path = path in _OPEN_PATHS or path.startswith("/static/")
+        if not open_path and not self.context.token.accepts(headers.get("authorization")):
+            self.context.metrics.auth_failures.inc()
+            return error_response(401, "unauthorized", "missing or wrong bearer token")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return error_response(413, "too_large", f"bodies are limited to {MAX_BODY_BYTES} bytes")
+        if scope["method"] in ("PUT", "POST") and length is None:
+            return error_response(411, "length_required", "send a Content-Length")
+        return None
+
+    def _count(self, scope: Scope, status: int) -> None:
+        route = getattr(scope.get("endpoint"), "__name__", "unmatched")
+        self.context.metrics.requests.labels(method=f"http:{route}", code=str(status)).inc()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def domain(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HealthError)
+        return error_response(status_of(exc), exc.code, str(exc))
+
+    async def invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        parts = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+            for e in exc.errors()[:5]
+        ]
+        return error_response(400, "invalid_argument", "; ".join(parts))
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    async def unknown(_: Request, exc: Exception) -> Response:
+        log.error("unhandled error: %s", type(exc).__name__, exc_info=exc)
+        return error_response(500, "internal", "internal error")
+
+    app.add_exception_handler(HealthError, domain)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unknown)
+
+
+def _probe_routes(app: FastAPI, context: ApiContext) -> None:
+    @app.get("/livez", tags=["probes"])
+    async def livez() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["probes"])
+    async def readyz() -> Response:
+        if not context.ready():
+            return error_response(503, "not_ready", "starting or draining")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["probes"])
+    async def metrics() -> Response:
+        return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_central_app(context: ApiContext) -> FastAPI:
+    """The central service's API and dashboard."""
+    assert context.engine is not None
+    app = FastAPI(
+        title="fthsdp health service",
+        version="1",
+        description="Replicas, incidents with evidence, quorum history, detector settings.",
+    )
+    _install_error_handlers(app)
+    _probe_routes(app, context)
+    _state_routes(app, context.engine)
+    _quorum_routes(app, context.quorum)
+    _dashboard_routes(app)
+    app.add_middleware(GuardMiddleware, context=context)
+    return app
+
+
+def create_agent_app(context: ApiContext) -> FastAPI:
+    """A node agent's small API: probes, metrics, and its node's state."""
+    agent = context.agent
+    assert agent is not None
+    app = FastAPI(title="fthsdp health node agent", version="1")
+    _install_error_handlers(app)
+    _probe_routes(app, context)
+
+    @app.get("/v1/node", tags=["agent"])
+    async def node() -> dict[str, Any]:
+        state = agent.node_state()
+        return {
+            "node": state.node,
+            "ranks": [asdict(r) for r in state.ranks],
+            "dropped": agent.dropped,
+            "forwarded": agent.forwarded,
+        }
+
+    app.add_middleware(GuardMiddleware, context=context)
+    return app
+
+
+Since = Annotated[float | None, Query(ge=0, le=MAX_CLOCK_VALUE, description="Unix seconds")]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+
+
+def _state_routes(app: FastAPI, engine: CentralEngine) -> None:
+    @app.get("/v1/replicas", tags=["state"])
+    async def replicas() -> dict[str, Any]:
+        return {
+            "now": engine.now(),
+            "replicas": [asdict(v) for v in engine.replicas()],
+            "nodes": [asdict(n) for n in engine.nodes()],
+        }
+
+    @app.get("/v1/incidents", tags=["state"])
+    async def incidents(
+        since: Since = None, kind: IncidentKind | None = None, limit: Limit = 100
+    ) -> dict[str, Any]:
+        try:
+            found = await engine.store.incidents(since=since, kind=kind, limit=limit)
+        except HealthError:
+            raise
+        except Exception as exc:
+            raise HealthUnavailableError(f"the telemetry store failed: {exc}") from None
+        return {"incidents": [incident_to_json(i) for i in found]}
+
+    @app.get("/v1/records/{kind}", tags=["state"])
+    async def records(kind: str, limit: Limit = 100) -> dict[str, Any]:
+        if kind not in RECORD_KINDS:
+            raise NotFoundError(f"no record kind {kind!r}; one of {', '.join(RECORD_KINDS)}")
+        record_kind: RecordKind = kind
+        return {"records": await engine.store.records(record_kind, limit)}
+
+    @app.get("/v1/detectors", tags=["settings"])
+    async def get_detectors() -> dict[str, Any]:
+        return engine.detectors.to_dict()
+
+    @app.put("/v1/detectors", tags=["settings"])
+    async def put_detectors(request: Request) -> dict[str, Any]:
+        """Changes detector settings: the body's keys override the current ones."""
+        changes = _json_object(await request.body())
+        try:
+            config = DetectorConfig.from_dict(engine.detectors.to_dict() | changes)
+        except (ValueError, TypeError) as exc:
+            raise InvalidReportError(str(exc)) from None
+        engine.reconfigure(config)
+        return config.to_dict()
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise InvalidReportError("the body must be a JSON object") from None
+    if not isinstance(value, dict):
+        raise InvalidReportError("the body must be a JSON object")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _quorum_routes(app: FastAPI, quorum: QuorumLink | None) -> None:
+    @app.get("/v1/quorum/history", tags=["quorum"])
+    async def quorum_history(limit: Annotated[int, Query(ge=1, le=128)] = 32) -> dict[str, Any]:
+        if quorum is None:
+            return {"configured": False, "quorum_id": 0, "members": [], "quorums": []}
+        snapshot = await quorum.status(history_limit=limit)
+        return {
+            "configured": True,
+            "quorum_id": snapshot.quorum_id,
+            "members": [
+                {
+                    "replica_id": m.replica_id,
+                    "incarnation": m.incarnation,
+                    "step": m.step,
+                    "live": m.live,
+                    "last_seen_ago_s": m.last_seen_ago.total_seconds(),
+                }
+                for m in snapshot.members
+            ],
+            "quorums": [
+                {
+                    "quorum_id": q.quorum_id,
+                    "round": q.round,
+                    "members": list(q.members),
+                    "healthy": list(q.healthy),
+                    "max_step": q.max_step,
+                    "reason": q.reason,
+                    "formed_at": q.formed_at.timestamp(),
+                }
+                for q in snapshot.quorums
+            ],
+        }
+
+
+def _dashboard_routes(app: FastAPI) -> None:
+    @app.get("/", include_in_schema=False)
+    async def root() -> Response:
+        return RedirectResponse("/dashboard")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        return FileResponse(STATIC_DIR / "dashboard.html", headers=_PAGE_HEADERS)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+
+_PAGE_HEADERS = {
+    "cache-control": "no-store",
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'"
+    ),
+    "referrer-policy": "no-referrer",
+}
+
+
+# ---- uvicorn, embedded ------------------------------------------------------------------------
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the process's `__main__` owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class HttpServer:
+    """An ASGI app served by uvicorn on the running event loop: `await start()` binds (port 0
+    allowed) and returns the base URL; `await stop()` drains for `grace` seconds; idempotent."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int, grace: float) -> None:
+        self._sock = _bind(host, port)
+        bound = self._sock.getsockname()
+        self.url = f"http://{f'[{bound[0]}]' if ':' in bound[0] else bound[0]}:{bound[1]}"
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ws="none",
+            timeout_graceful_shutdown=max(math.ceil(grace), 1),
+        )
+        self._server = _Uvicorn(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                await self._task
+                raise OSError("the HTTP server did not start")
+            await asyncio.sleep(0.005)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._task is None:
+            self._sock.close()
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(256)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,136 @@
+"""Configuration of the health detectors (pure data; only `__main__` reads flags and env).
+
+Durations are float seconds with an `_s` suffix rather than `timedelta`: the config travels as
+JSON (`to_dict`/`from_dict`, the HTTP API can change it at run time) and every detector compares
+them with float clocks, so one unit everywhere beats converting at each use."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+FailSlowPolicy = Literal["report", "evict"]
+_POLICIES: tuple[str, ...] = ("report", "evict")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DetectorConfig:
+    """How the detectors of one health service decide."""
+
+    heartbeat_timeout_s: float = 1.0
+    """A rank not heard from for this long is fail-stop (DESIGN: failure -> quorum <= 1 s)."""
+    hang_timeout_s: float = 10.0
+    """A collective open this long (since its first member entered) blocks the job: a hang.
+    Far above a healthy collective's duration, far below the 60 s collective timeouts it beats."""
+    collective_retention_s: float = 600.0
+    """An open collective older than this is forgotten (a group of an old quorum that will never
+    complete); bounds memory. Must exceed hang_timeout_s so a hang is reported first."""
+    slow_rank_window: int = 40
+    """K: how many of a group's most recent completed collectives the arrival analysis looks at."""
+    slow_rank_min_samples: int = 20
+    """A group needs this many completed collectives in its window before anyone is named."""
+    slow_rank_min_fraction: float = 0.85
+    """A rank is slow when it arrived last (by more than the minimum lag) in at least this
+    fraction of the window."""
+    slow_rank_min_lag_s: float = 0.03
+    """Arriving last counts only when the last arriver waited this much less than the next one:
+    below it, arrival order is jitter, not a straggler."""
+    fail_slow_warmup_steps: int = 30
+    """Steps per replica used to fit the predictor (and the baseline) before any detection."""
+    fail_slow_margin: float = 0.25
+    """An incident needs measured > predicted * (1 + margin), persistently (ResiHP's 25%)."""
+    fail_slow_persist_steps: int = 5
+    """How many of the most recent steps (median) must exceed the margin to confirm a change
+    point; also the steps of recovery needed before the replica can be reported again."""
+    fail_slow_cusum_slack: float = 0.1
+    """CUSUM drift k on the relative residual: residuals below it never accumulate."""
+    fail_slow_cusum_threshold: float = 1.0
+    """CUSUM alarm threshold h on the accumulated relative residual (a change point)."""
+    fail_slow_use_predictor: bool = True
+    """False: the plain change-point detector on raw step time (the benchmark's baseline): every
+    change point is an incident, with no workload model and no margin check."""
+    fail_slow_policy: FailSlowPolicy = "report"
+    """What a fail-slow incident asks for: "report" (tell the operator) or "evict" (the wire
+    also reports the replica as failed to the quorum service). Written into the evidence."""
+    sdc_min_replicas: int = 3
+    """Fingerprints of a step are judged only once this many replicas reported it: with two, a
+    disagreement has no majority, so neither can be named."""
+    sdc_window_steps: int = 64
+    """Fingerprints are kept for this many most recent steps (bounds memory)."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_timeout_s", "hang_timeout_s", "collective_retention_s"):
+            _positive(name, getattr(self, name))
+        if self.collective_retention_s <= self.hang_timeout_s:
+            raise ValueError("collective_retention_s must exceed hang_timeout_s")
+        for name in ("slow_rank_window", "slow_rank_min_samples", "fail_slow_warmup_steps"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("fail_slow_persist_steps", self.fail_slow_persist_steps, 1)
+        if self.slow_rank_min_samples > self.slow_rank_window:
+            raise ValueError("slow_rank_min_samples must not exceed slow_rank_window")
+        if not 0.5 < self.slow_rank_min_fraction <= 1.0:
+            raise ValueError("slow_rank_min_fraction must be in (0.5, 1]")
+        if self.fail_slow_warmup_steps < 4:
+            raise ValueError("fail_slow_warmup_steps must be >= 4 (3 coefficients to fit)")
+        for name in ("slow_rank_min_lag_s", "fail_slow_margin", "fail_slow_cusum_threshold"):
+            _positive(name, getattr(self, name))
+        if not 0.0 <= self.fail_slow_cusum_slack < math.inf:
+            raise ValueError("fail_slow_cusum_slack must be finite and >= 0")
+        if self.fail_slow_policy not in _POLICIES:
+            raise ValueError(f"fail_slow_policy must be one of {_POLICIES}")
+        _at_least("sdc_min_replicas", self.sdc_min_replicas, 3)
+        _at_least("sdc_window_steps", self.sdc_window_steps, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, JSON-ready."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DetectorConfig:
+        """The config from (a subset of) `to_dict`'s keys; missing keys keep their defaults.
+
+        Raises ValueError on an unknown key, a value of the wrong type (bool is not a number,
+        an int is accepted for a float) or a value `__post_init__` rejects."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown detector settings: {', '.join(unknown)}")
+        defaults = cls()
+        values: dict[str, Any] = {}
+        for name, value in data.items():
+            values[name] = _coerce(name, value, getattr(defaults, name))
+        return cls(**values)
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """`value` checked against the type of the field's default."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean, got {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(default, int):
+        if not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")

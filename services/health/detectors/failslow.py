@@ -1,0 +1,284 @@
+"""Fail-slow detection: per-replica step time, filtered by a workload-aware predictor (ResiHP).
+
+Step time changes for benign reasons: attention costs Σl², so a batch of a few long documents
+takes longer than the same tokens packed from many short ones. A change point on raw step time
+therefore fires on workload changes. The predictor T ≈ αN + βΣl² + γ, fitted by least squares
+on the first `warmup` committed steps of each replica, explains those; the detector runs a
+one-sided CUSUM on the relative residual (measured / predicted − 1) and, at a change point,
+raises an incident only when the median residual of the last `persist` steps exceeds the margin.
+An unconfirmed change point is dropped and the CUSUM restarts (ResiHP removes such points).
+
+γ (the intercept) is there because a step has work that no token count explains: the optimizer
+step, the fixed-size gradient exchange, the quorum round. Without it, α absorbs them and the fit
+is biased whenever N varies. When N is constant (fixed token budget per packed batch) αN and γ
+are collinear; the minimum-norm least-squares solution still predicts correctly.
+
+A replica's time is its own: each rank's duration minus the time it waited on the cross-replica
+exchange (`exchange_wait_s`), maximum over its ranks (ranks of a replica move in lockstep), with
+N and Σl² the maximum over its ranks (with a per-rank token budget, the slowest rank is the one
+with the largest Σl²). Without that subtraction a slow replica would stretch every replica.
+
+`use_predictor=False` is the baseline (a plain CUSUM on raw step time against a sliding mean,
+every change point an incident, re-baselined after each) used by `bench.rca`."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from statistics import fmean, median
+from typing import Any
+
+import numpy as np
+
+from services.health.detectors.config import DetectorConfig
+from services.health.telemetry import Incident, IncidentKind, StepRecord
+
+_MAX_FIT_SAMPLES = 512  # the refit window: bounded memory and cost per replica
+
+Coefficients = tuple[float, float, float]
+"""(α per token, β per Σl², γ seconds)."""
+
+
+def fit(samples: list[tuple[int, int, float]]) -> Coefficients:
+    """Least-squares (α, β, γ) for T ≈ αN + βΣl² + γ over (N, Σl², T) samples.
+
+    Columns are scaled to unit magnitude first: Σl² is ~10^7 times N, and an unscaled solve would
+    lose β in rounding."""
+    data = np.asarray(samples, dtype=np.float64)
+    design = np.column_stack([data[:, 0], data[:, 1], np.ones(len(data))])
+    scale = np.abs(design).max(axis=0)
+    scale[scale == 0] = 1.0
+    solution = np.linalg.lstsq(design / scale, data[:, 2], rcond=None)[0] / scale
+    return float(solution[0]), float(solution[1]), float(solution[2])
+
+
+def _outside(samples: list[tuple[int, int, float]], sq: int) -> bool:
+    """Whether Σl² lies more than 10% outside the range the fit has seen."""
+    low = min(sample[1] for sample in samples)
+    high = max(sample[1] for sample in samples)
+    return sq > high * 1.1 or sq < low / 1.1
+
+
+def predict(coef: Coefficients, tokens: int, sum_seq_len_sq: int) -> float:
+    """The healthy step time for this workload."""
+    return coef[0] * tokens + coef[1] * sum_seq_len_sq + coef[2]
+
+
+@dataclass(slots=True)
+class _Step:
+    own_s: float = 0.0
+    tokens: int = 0
+    sq: int = 0
+    ranks: int = 0
+
+
+@dataclass(slots=True)
+class _Series:
+    """One replica's step-time series and detector state."""
+
+    ranks: set[int] = field(default_factory=set)
+    pending: dict[int, _Step] = field(default_factory=dict)
+    newest: int = -1
+    done: int = -1
+    warm: list[tuple[int, int, float]] = field(default_factory=list)
+    coef: Coefficients | None = None
+    baseline: deque[float] = field(default_factory=deque)
+    cusum: float = 0.0
+    residuals: deque[float] = field(default_factory=deque)
+    slow: bool = False
+    alarms: list[dict[str, Any]] = field(default_factory=list)
+
+
+class FailSlowDetector:
+    """Per-replica series; `add` updates them, `check` returns the incidents they raised."""
+
+    __slots__ = ("_config", "_series")
+
+    def __init__(self, config: DetectorConfig) -> None:
+        self._config = config
+        self._series: dict[str, _Series] = {}
+
+    def reconfigure(self, config: DetectorConfig) -> None:
+        """New thresholds apply from the next step; fits and windows are kept."""
+        self._config = config
+        for series in self._series.values():
+            series.residuals = deque(series.residuals, maxlen=config.fail_slow_persist_steps)
+            series.baseline = deque(series.baseline, maxlen=config.fail_slow_warmup_steps)
+
+    def forget(self, replica_id: str) -> None:
+        """Drop a replica's series (it left; a restarted one warms up again)."""
+        self._series.pop(replica_id, None)
+
+    def suspect(self, replica_id: str) -> bool:
+        """Whether the replica is currently confirmed slow."""
+        series = self._series.get(replica_id)
+        return series is not None and series.slow
+
+    def coefficients(self, replica_id: str) -> Coefficients | None:
+        """The replica's fitted predictor, once warmed up."""
+        series = self._series.get(replica_id)
+        return None if series is None else series.coef
+
+    def add(self, records: Iterable[StepRecord]) -> None:
+        """Step records of any ranks; a replica's step is judged once all its ranks reported
+        it, or once a step two later appears (a rank that never reports must not stall it)."""
+        touched = set()
+        for record in records:
+            if not record.committed:
+                continue  # a failed exchange is retried; its time is not the replica's speed
+            series = self._series.get(record.rank.replica_id)
+            if series is None:
+                series = self._series[record.rank.replica_id] = self._new_series()
+            if record.step <= series.done:
+                continue
+            series.ranks.add(record.rank.rank)
+            series.newest = max(series.newest, record.step)
+            step = series.pending.setdefault(record.step, _Step())
+            own = max(0.0, record.duration_s - record.exchange_wait_s)
+            step.own_s = max(step.own_s, own)
+            step.tokens = max(step.tokens, record.tokens)
+            step.sq = max(step.sq, record.sum_seq_len_sq)
+            step.ranks += 1
+            touched.add(record.rank.replica_id)
+        for replica_id in touched:
+            self._finalize(self._series[replica_id])
+
+    def check(self, now: float) -> list[Incident]:
+        """Incidents raised since the last call."""
+        found = []
+        for replica_id, series in self._series.items():
+            for evidence in series.alarms:
+                found.append(_incident(replica_id, evidence, now))
+            series.alarms.clear()
+        return found
+
+    def _new_series(self) -> _Series:
+        cfg = self._config
+        return _Series(
+            baseline=deque(maxlen=cfg.fail_slow_warmup_steps),
+            residuals=deque(maxlen=cfg.fail_slow_persist_steps),
+        )
+
+    def _finalize(self, series: _Series) -> None:
+        for number in sorted(series.pending):
+            step = series.pending[number]
+            if step.ranks < len(series.ranks) and number > series.newest - 2:
+                break
+            del series.pending[number]
+            series.done = number
+            self._sample(series, number, step)
+
+    def _sample(self, series: _Series, number: int, step: _Step) -> None:
+        cfg = self._config
+        if series.coef is None:
+            series.warm.append((step.tokens, step.sq, step.own_s))
+            series.baseline.append(step.own_s)
+            if len(series.warm) == cfg.fail_slow_warmup_steps:
+                series.coef = fit(series.warm)
+            return
+        if cfg.fail_slow_use_predictor:
+            if _outside(series.warm, step.sq):
+                # A workload the fit never saw (a new data phase): extrapolating β would turn
+                # it into a false alarm, so learn it instead of judging it.
+                series.warm.append((step.tokens, step.sq, step.own_s))
+                series.coef = fit(series.warm)
+                return
+            self._judge_predicted(series, number, step)
+            self._learn(series, step)
+        else:
+            self._judge_raw(series, number, step)
+
+    def _judge_predicted(self, series: _Series, number: int, step: _Step) -> None:
+        cfg = self._config
+        assert series.coef is not None
+        predicted = predict(series.coef, step.tokens, step.sq)
+        if predicted <= 0:  # a degenerate fit: fall back to the warm-up mean
+            predicted = fmean(series.baseline)
+        residual = step.own_s / predicted - 1.0
+        series.residuals.append(residual)
+        full = len(series.residuals) == cfg.fail_slow_persist_steps
+        level = median(series.residuals)
+        if series.slow:
+            if full and level < cfg.fail_slow_margin:
+                series.slow = False  # recovered: a relapse is a new incident
+            return
+        series.cusum = max(0.0, series.cusum + residual - cfg.fail_slow_cusum_slack)
+        if series.cusum <= cfg.fail_slow_cusum_threshold:
+            return
+        series.cusum = 0.0  # confirmed or benign, the next change point starts afresh
+        if full and level > cfg.fail_slow_margin:
+            series.slow = True
+            series.alarms.append(self._evidence(series, number, step, predicted, level))
+
+    def _learn(self, series: _Series, step: _Step) -> None:
+        """Keep refining the fit with steps judged healthy (well inside the margin): warm-up
+        may have seen one data phase only, and Σl² of later phases would be extrapolation. A
+        slowdown beyond half the margin is never learned, so it cannot hide itself."""
+        cfg = self._config
+        if series.slow or series.residuals[-1] > cfg.fail_slow_margin / 2:
+            return
+        series.warm.append((step.tokens, step.sq, step.own_s))
+        if len(series.warm) > _MAX_FIT_SAMPLES:
+            del series.warm[: len(series.warm) - _MAX_FIT_SAMPLES]
+        if len(series.warm) % max(1, cfg.fail_slow_warmup_steps // 2) == 0:
+            series.coef = fit(series.warm)
+
+    def _judge_raw(self, series: _Series, number: int, step: _Step) -> None:
+        cfg = self._config
+        if len(series.baseline) < cfg.fail_slow_persist_steps:
+            series.baseline.append(step.own_s)  # learning the level after a change point
+            return
+        base = fmean(series.baseline)
+        residual = step.own_s / base - 1.0
+        series.residuals.append(residual)
+        series.cusum = max(0.0, series.cusum + residual - cfg.fail_slow_cusum_slack)
+        if series.cusum <= cfg.fail_slow_cusum_threshold:
+            series.baseline.append(step.own_s)
+            return
+        series.cusum = 0.0
+        series.alarms.append(self._evidence(series, number, step, base, median(series.residuals)))
+        # The new level is learned afresh from here (the samples before the change would
+        # make every following step look like another change).
+        series.baseline = deque([step.own_s], maxlen=cfg.fail_slow_warmup_steps)
+
+    def _evidence(
+        self, series: _Series, number: int, step: _Step, predicted: float, level: float
+    ) -> dict[str, Any]:
+        cfg = self._config
+        coef = series.coef or (0.0, 0.0, 0.0)
+        return {
+            "step": number,
+            "measured_s": step.own_s,
+            "predicted_s": predicted,
+            "ratio": step.own_s / predicted,
+            "median_residual": level,
+            "residuals": list(series.residuals),
+            "tokens": step.tokens,
+            "sum_seq_len_sq": step.sq,
+            "alpha": coef[0],
+            "beta": coef[1],
+            "gamma": coef[2],
+            "margin": cfg.fail_slow_margin,
+            "use_predictor": cfg.fail_slow_use_predictor,
+            "policy": cfg.fail_slow_policy,
+        }
+
+
+def _incident(replica_id: str, evidence: dict[str, Any], now: float) -> Incident:
+    if evidence["use_predictor"]:
+        what = f"the {evidence['predicted_s']:.3f} s predicted for its workload"
+    else:
+        what = f"its recent mean of {evidence['predicted_s']:.3f} s (no workload model)"
+    summary = (
+        f"replica {replica_id} is fail-slow: step {evidence['step']} took "
+        f"{evidence['measured_s']:.3f} s, {evidence['ratio']:.2f}x {what} "
+        f"(median excess {evidence['median_residual'] * 100:.0f}% over the last steps)"
+    )
+    return Incident(
+        kind=IncidentKind.FAIL_SLOW,
+        replica_id=replica_id,
+        detected_at=now,
+        summary=summary,
+        evidence=evidence,
+    )

@@ -1,0 +1,92 @@
+"""Fail-stop detection: a rank whose heartbeats stop.
+
+Used twice with the same code: by the node agent over its own ranks (ResiHP's first level, on the
+ranks' own clock) and by `HealthCore` over every rank (the second level; the wire rebases beat
+times onto the service clock). `check` walks every tracked rank, O(ranks) per call: at 100K ranks
+that is a few milliseconds, cheaper than keeping a deadline heap current on every beat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
+
+
+@dataclass(slots=True)
+class _Beat:
+    host: str
+    step: int
+    at: float
+    reported: bool = False
+
+
+class FailStopDetector:
+    """Tracks the last beat of each rank; a rank silent for longer than `timeout_s` is reported
+    once, and again only after it beats again and falls silent again."""
+
+    __slots__ = ("_beats", "timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._beats: dict[RankId, _Beat] = {}
+
+    def beat(self, hb: Heartbeat) -> None:
+        """Record a sign of life. An older beat than the last one (reordered batch) is ignored."""
+        last = self._beats.get(hb.rank)
+        if last is None:
+            self._beats[hb.rank] = _Beat(hb.host, hb.step, hb.at)
+        elif hb.at >= last.at:
+            last.host, last.step, last.at, last.reported = (
+                hb.host,
+                max(last.step, hb.step),
+                hb.at,
+                False,
+            )
+
+    def leave(self, rank: RankId) -> None:
+        """A clean exit: forget the rank, so its silence is never an incident."""
+        self._beats.pop(rank, None)
+
+    def silent(self, rank: RankId) -> bool:
+        """Whether `rank` is currently reported as fail-stop."""
+        beat = self._beats.get(rank)
+        return beat is not None and beat.reported
+
+    def last_beat(self, rank: RankId) -> Heartbeat | None:
+        """The latest beat of `rank`, if it is tracked."""
+        beat = self._beats.get(rank)
+        if beat is None:
+            return None
+        return Heartbeat(rank=rank, host=beat.host, step=beat.step, at=beat.at)
+
+    def tracked(self) -> list[RankId]:
+        """Every tracked rank (beating or silent)."""
+        return list(self._beats)
+
+    def check(self, now: float) -> list[Incident]:
+        """New fail-stop incidents at `now`: ranks silent for more than the timeout."""
+        deadline = now - self.timeout_s
+        found = []
+        for rank, beat in self._beats.items():
+            if beat.at < deadline and not beat.reported:
+                beat.reported = True
+                found.append(_incident(rank, beat, now))
+        return found
+
+
+def _incident(rank: RankId, beat: _Beat, now: float) -> Incident:
+    silent = now - beat.at
+    return Incident(
+        kind=IncidentKind.FAIL_STOP,
+        replica_id=rank.replica_id,
+        rank=rank.rank,
+        host=beat.host,
+        detected_at=now,
+        summary=(
+            f"rank {rank.rank} of replica {rank.replica_id} on {beat.host} stopped "
+            f"heartbeating {silent:.2f} s ago (last step {beat.step})"
+        ),
+        evidence={"last_beat_at": beat.at, "silent_s": silent, "last_step": beat.step},
+    )

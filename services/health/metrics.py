@@ -1,0 +1,72 @@
+"""Prometheus metrics of one health-service process, in its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_DETECTION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0)
+
+
+class HealthMetrics:
+    """Counters (`fthsdp_health_*_total`), histograms (`*_seconds`) and gauges."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fthsdp_health_requests_total",
+            "gRPC and HTTP requests handled, by method and status.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "fthsdp_health_auth_failures_total",
+            "Requests refused for a missing or invalid bearer token.",
+            registry=r,
+        )
+        self.records = Counter(
+            "fthsdp_health_records_total",
+            "Telemetry records accepted, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.incidents = Counter(
+            "fthsdp_health_incidents_total",
+            "Incidents detected or received, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.quorum_reports = Counter(
+            "fthsdp_health_quorum_reports_total",
+            "Failure reports sent to the quorum service, by outcome "
+            "(evicted, already_gone, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.forwards = Counter(
+            "fthsdp_health_forwards_total",
+            "Agent batches forwarded to the central service, by outcome (ok, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "fthsdp_health_dropped_records_total",
+            "Records an agent dropped because its buffer for the central service was full.",
+            registry=r,
+        )
+        self.detection_seconds = Histogram(
+            "fthsdp_health_detection_seconds",
+            "Agent: from a rank's last heartbeat to its failure report reaching the quorum "
+            "service.",
+            buckets=_DETECTION_BUCKETS,
+            registry=r,
+        )
+        self.evaluate_seconds = Histogram(
+            "fthsdp_health_evaluate_seconds",
+            "Central: time of one detector evaluation.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.ranks = Gauge("fthsdp_health_ranks", "Ranks currently watched.", registry=r)
+        self.nodes = Gauge("fthsdp_health_nodes", "Nodes reporting (central).", registry=r)

@@ -1,0 +1,104 @@
+"""The health service's side of the quorum service: failure reports and history reads, through
+the quorum service's public client only.
+
+Reports try the addresses in order (primary first, then standbys) with a short deadline each, so
+a dead primary delays a report by one deadline, not by the client's whole retry budget. A replica
+reported within the last `dedupe` seconds is not reported again: when a whole replica dies, every
+one of its ranks falls silent in the same check, and one report evicts them all."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Literal
+
+from services.common.tokens import Token
+from services.health.client_types import UpstreamError
+from services.health.metrics import HealthMetrics
+from services.quorum.client import (
+    AsyncQuorumClient,
+    QuorumError,
+    QuorumUnavailableError,
+    StatusSnapshot,
+    UnknownReplicaError,
+)
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["evicted", "already_gone", "unknown_replica", "failed", "deduplicated"]
+
+
+class QuorumLink:
+    """Reports failures to, and reads history from, the quorum service (asyncio, one loop)."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: Token,
+        *,
+        timeout: timedelta = timedelta(seconds=1),
+        metrics: HealthMetrics | None = None,
+        dedupe: timedelta = timedelta(seconds=1),
+    ) -> None:
+        if not addresses:
+            raise ValueError("QuorumLink needs at least one address")
+        self._clients = [
+            AsyncQuorumClient(address, token, rpc_timeout=timeout, connect_timeout=timedelta(0))
+            for address in addresses
+        ]
+        self._addresses = tuple(addresses)
+        self._metrics = metrics
+        self._dedupe = dedupe.total_seconds()
+        self._recent: dict[str, float] = {}
+
+    async def report_failure(self, replica_id: str, reason: str, *, reporter: str) -> Outcome:
+        """Evicts `replica_id`; never raises (the outcome says what happened)."""
+        now = time.monotonic()
+        self._recent = {r: t for r, t in self._recent.items() if now - t < self._dedupe}
+        if replica_id in self._recent:
+            return "deduplicated"
+        self._recent[replica_id] = now
+        outcome = await self._report(replica_id, reason[:1024], reporter)
+        if outcome == "failed":
+            self._recent.pop(replica_id, None)  # a later detection may try again
+        if self._metrics is not None:
+            self._metrics.quorum_reports.labels(outcome=outcome).inc()
+        log.info(
+            "reported %s to the quorum service: %s",
+            replica_id,
+            outcome,
+            extra={"replica_id": replica_id, "outcome": outcome},
+        )
+        return outcome
+
+    async def _report(self, replica_id: str, reason: str, reporter: str) -> Outcome:
+        for address, client in zip(self._addresses, self._clients, strict=True):
+            try:
+                evicted = await client.report_failure(replica_id, reason, reporter=reporter)
+            except UnknownReplicaError:
+                return "unknown_replica"
+            except (QuorumUnavailableError, TimeoutError):
+                log.warning("quorum service at %s unavailable for a report", address)
+                continue
+            except QuorumError as exc:
+                log.warning("quorum service at %s refused a report: %s", address, exc)
+                return "failed"
+            return "evicted" if evicted else "already_gone"
+        return "failed"
+
+    async def status(self, history_limit: int) -> StatusSnapshot:
+        """The quorum service's membership and recent quorums; UpstreamError when none answers."""
+        last: Exception | None = None
+        for client in self._clients:
+            try:
+                return await client.status(history_limit=history_limit)
+            except (QuorumError, TimeoutError) as exc:
+                last = exc
+        raise UpstreamError(f"the quorum service did not answer: {last}")
+
+    async def close(self) -> None:
+        """Closes every channel."""
+        for client in self._clients:
+            await client.close()

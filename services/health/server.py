@@ -1,0 +1,224 @@
+"""The health service's gRPC wire: `fthsdp.v1.HealthService/Report` on grpc.aio, the bearer-token
+interceptor, the error table, grpc.health.v1 and reflection; embeddable as `IngestServer`.
+
+The handler only decodes and validates a batch (`client_codec.batch_from_pb`, which also rebases
+the sender's times onto this host's clock) and hands it to an `IngestSink`: the central engine
+(`service.py`) or the node agent (`agent.py`). Both modes serve the same API, so a rank reports
+to either without knowing which it talks to."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import health_pb2 as pb
+from services.common.tokens import Token
+from services.health.client_codec import ReportBatch, batch_from_pb
+from services.health.client_types import (
+    MAX_MESSAGE_BYTES,
+    HealthAuthError,
+    HealthError,
+    HealthUnavailableError,
+    InvalidReportError,
+)
+from services.health.metrics import HealthMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HealthService"].full_name
+ERROR_KIND_KEY = "fthsdp-error"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+ERROR_TABLE: dict[type[HealthError], grpc.StatusCode] = {
+    InvalidReportError: grpc.StatusCode.INVALID_ARGUMENT,
+    HealthAuthError: grpc.StatusCode.UNAUTHENTICATED,
+    HealthUnavailableError: grpc.StatusCode.UNAVAILABLE,
+}
+"""Domain error -> gRPC status; the most derived class wins. Anything else is INTERNAL with a
+generic message (the traceback stays in the log)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """(code, kind, message) for an exception raised while handling a request."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            assert isinstance(exc, HealthError)
+            return ERROR_TABLE[cls], exc.code, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal", "internal error (see the health service log)"
+
+
+class IngestSink(Protocol):
+    """What receives validated batches (the central engine or the node agent)."""
+
+    async def ingest(self, batch: ReportBatch) -> None:
+        """Takes one batch; raises HealthError subclasses for the caller's mistakes."""
+
+
+if TYPE_CHECKING:
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:  # the runtime class is not generic
+    _Interceptor = grpc.aio.ServerInterceptor
+
+
+class _BearerAuth(_Interceptor):
+    """Refuses every RPC without `authorization: Bearer <token>`; health and reflection stay
+    open for probes and tooling."""
+
+    def __init__(self, token: Token, metrics: HealthMetrics) -> None:
+        self._token = token
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        presented = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value if isinstance(value, str) else value.decode(errors="replace")
+        if self._token.accepts(presented):
+            return handler
+        self._metrics.auth_failures.inc()
+        return grpc.unary_unary_rpc_method_handler(
+            _refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def _refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+    context.set_trailing_metadata(((ERROR_KIND_KEY, HealthAuthError.code),))
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+    raise AssertionError("abort returned")  # pragma: no cover
+
+
+class _Servicer:
+    """`fthsdp.v1.HealthService` handlers."""
+
+    def __init__(self, sink: IngestSink, metrics: HealthMetrics, serving: Callable[[], bool]):
+        self._sink = sink
+        self._metrics = metrics
+        self._serving = serving
+
+    def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        handlers = {
+            "Report": grpc.unary_unary_rpc_method_handler(
+                self._report,
+                request_deserializer=pb.ReportRequest.FromString,
+                response_serializer=pb.ReportResponse.SerializeToString,
+            )
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    async def _report(
+        self, request: pb.ReportRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportResponse:
+        try:
+            if not self._serving():
+                raise HealthUnavailableError("the health service is shutting down")
+            batch = batch_from_pb(request, time.time())
+            await self._sink.ingest(batch)
+        except HealthError as exc:
+            code, kind, message = status_for(exc)
+        except Exception:
+            log.exception("Report failed")
+            code, kind, message = status_for(RuntimeError())
+        else:
+            self._metrics.requests.labels(method="Report", code="OK").inc()
+            return pb.ReportResponse(accepted=batch.size())
+        self._metrics.requests.labels(method="Report", code=code.name).inc()
+        context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
+        await context.abort(code, message)
+        raise AssertionError("abort returned")  # pragma: no cover
+
+
+class IngestServer:
+    """The gRPC ingest endpoint, embeddable: `await start()` binds (port 0 allowed) and returns
+    `address`; `await stop()` is idempotent (NOT_SERVING, refuse new calls, drain, cancel)."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        token: Token,
+        sink: IngestSink,
+        metrics: HealthMetrics,
+        grace: timedelta = timedelta(seconds=2),
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._token = token
+        self._sink = sink
+        self._metrics = metrics
+        self._grace = grace
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self._serving = False
+        self._stopping: asyncio.Future[None] | None = None
+        self.address = ""
+        """`host:port` the server is bound to (after start)."""
+
+    def is_serving(self) -> bool:
+        """Whether new batches are accepted."""
+        return self._serving
+
+    async def start(self) -> str:
+        """Binds and starts serving; returns `address`."""
+        if self._server is not None:
+            raise RuntimeError("IngestServer.start() called twice")
+        server = grpc.aio.server(
+            interceptors=[_BearerAuth(self._token, self._metrics)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", 1024 * 1024),
+                ("grpc.so_reuseport", 0),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        servicer = _Servicer(self._sink, self._metrics, self.is_serving)
+        server.add_generic_rpc_handlers((servicer.generic_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(f"{self._host}:{self._port}")
+        if port == 0:
+            raise OSError(f"could not bind {self._host}:{self._port}")
+        self._server = server
+        await server.start()
+        self.address = f"{self._host}:{port}"
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+        return self.address
+
+    async def stop(self) -> None:
+        """Stops gracefully; idempotent and safe to call concurrently."""
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
+            return
+        self._stopping = asyncio.get_running_loop().create_future()
+        try:
+            self._serving = False
+            if self._server is not None:
+                await self._health.enter_graceful_shutdown()
+                await self._server.stop(self._grace.total_seconds())
+                await self._server.wait_for_termination(0)
+        finally:
+            self._stopping.set_result(None)

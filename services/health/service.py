@@ -1,0 +1,251 @@
+"""The central health engine: feeds ingested telemetry into `HealthCore`, evaluates the detectors
+on a timer, keeps incidents in the store, and applies the policies.
+
+Policies (what an incident makes the service do besides recording it):
+- fail-stop found here (a whole node went silent, agent included: host loss), hang, SDC: evict the
+  replica through the quorum service, so the survivors form a new quorum without it;
+- fail-slow and slow-rank: evict or only report, per `DetectorConfig.fail_slow_policy`.
+A fail-stop that a node agent already found and reported arrives in the agent's batch; the core
+sees the same rank fall silent a little later, and that second verdict is recorded in the state
+(the replica shows "down") but not stored or acted on twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from services.health.client_codec import NodeState, ReportBatch, restamp
+from services.health.config import HealthConfig
+from services.health.core import HealthCore, ReplicaView
+from services.health.detectors.config import DetectorConfig
+from services.health.metrics import HealthMetrics
+from services.health.quorum_link import QuorumLink
+from services.health.store import TelemetryStore
+from services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
+
+log = logging.getLogger(__name__)
+
+_ALWAYS_EVICT = frozenset({IncidentKind.FAIL_STOP, IncidentKind.HANG, IncidentKind.SDC})
+_SLOW = frozenset({IncidentKind.FAIL_SLOW, IncidentKind.SLOW_RANK})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeView:
+    """A node agent as the central service last heard from it."""
+
+    node: str
+    ranks: int
+    last_seen: float
+    dropped: int
+
+
+def policy_for(incident: Incident, config: DetectorConfig) -> str:
+    """ "evict" or "report": what the service does about an incident."""
+    if incident.kind in _ALWAYS_EVICT:
+        return "evict"
+    if incident.kind in _SLOW and config.fail_slow_policy == "evict":
+        return "evict"
+    return "report"
+
+
+class CentralEngine:
+    """One job's health state; all methods run on one event loop (the core is not thread-safe)."""
+
+    def __init__(
+        self,
+        config: HealthConfig,
+        detectors: DetectorConfig,
+        store: TelemetryStore,
+        metrics: HealthMetrics,
+        *,
+        quorum: QuorumLink | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self.core = HealthCore(detectors)
+        self.store = store
+        self._metrics = metrics
+        self._quorum = quorum
+        self._clock = clock
+        self._nodes: dict[str, NodeView] = {}
+        self._agent_failstops: set[RankId] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._actions: set[asyncio.Task[None]] = set()
+        self._store_failing = False
+
+    @property
+    def detectors(self) -> DetectorConfig:
+        """The detector settings in force."""
+        return self.core.config
+
+    def reconfigure(self, detectors: DetectorConfig) -> None:
+        """New detector settings from now on (the HTTP settings API)."""
+        self.core.reconfigure(detectors)
+        log.info("detector settings changed", extra={"settings": detectors.to_dict()})
+
+    # ---- ingest -----------------------------------------------------------------------------
+
+    async def ingest(self, batch: ReportBatch) -> None:
+        """Feeds one validated batch (times already on this host's clock)."""
+        core = self.core
+        for hb in batch.heartbeats:
+            core.heartbeat(hb)
+        if batch.node is not None:
+            self._node_state(batch.node)
+        if batch.steps:
+            core.steps(batch.steps)
+        if batch.collectives:
+            core.collectives(batch.collectives)
+        for fp in batch.fingerprints:
+            core.fingerprint(fp)
+        for rank in batch.left:
+            core.rank_left(rank)
+            self._agent_failstops.discard(rank)
+        self._count(batch)
+        await self._keep_records(batch)
+        if batch.incidents:
+            await self._agent_incidents(batch.incidents)
+
+    def _node_state(self, state: NodeState) -> None:
+        now = self._clock()
+        for entry in state.ranks:
+            self._agent_failstops.discard(entry.rank)  # it beats again
+            self.core.heartbeat(
+                Heartbeat(
+                    rank=entry.rank, host=state.node, step=entry.step, at=now - entry.silent_s
+                )
+            )
+        self._nodes[state.node] = NodeView(
+            node=state.node, ranks=len(state.ranks), last_seen=now, dropped=state.dropped
+        )
+        self._metrics.nodes.set(len(self._nodes))
+
+    def _count(self, batch: ReportBatch) -> None:
+        records = self._metrics.records
+        for kind, items in (
+            ("heartbeat", batch.heartbeats),
+            ("step", batch.steps),
+            ("collective", batch.collectives),
+            ("fingerprint", batch.fingerprints),
+            ("left", batch.left),
+        ):
+            if items:
+                records.labels(kind=kind).inc(len(items))
+
+    async def _keep_records(self, batch: ReportBatch) -> None:
+        await self._guard_store(self.store.add_records("steps", batch.steps))
+        await self._guard_store(self.store.add_records("collectives", batch.collectives))
+        await self._guard_store(self.store.add_records("fingerprints", batch.fingerprints))
+
+    async def _agent_incidents(self, incidents: tuple[Incident, ...]) -> None:
+        for incident in incidents:
+            if incident.kind == IncidentKind.FAIL_STOP and incident.rank is not None:
+                rank = RankId(replica_id=incident.replica_id, rank=incident.rank)
+                self._agent_failstops.add(rank)
+            self._metrics.incidents.labels(kind=incident.kind.value).inc()
+        await self._guard_store(self.store.add_incidents(incidents))
+
+    async def _guard_store(self, operation: Awaitable[None]) -> None:
+        """Runs a store write; a failing store is logged once per outage, never raised into
+        ingest (telemetry must not be refused because Redis is down)."""
+        try:
+            await operation
+        except Exception as exc:
+            if not self._store_failing:
+                log.warning("telemetry store write failed: %s", exc)
+            self._store_failing = True
+        else:
+            if self._store_failing:
+                log.info("telemetry store writes succeed again")
+            self._store_failing = False
+
+    # ---- evaluation -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the evaluation timer."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="health-evaluate")
+
+    async def stop(self) -> None:
+        """Stops the timer and waits for pending evictions (bounded by their deadlines)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._actions:
+            await asyncio.wait(self._actions, timeout=5)
+
+    async def _run(self) -> None:
+        interval = self._config.evaluate_interval.total_seconds()
+        while True:
+            try:
+                await self.evaluate_once()
+            except Exception:
+                log.exception("detector evaluation failed")
+            await asyncio.sleep(interval)
+
+    async def evaluate_once(self) -> list[Incident]:
+        """One evaluation: new incidents are stored and acted on; returns them."""
+        now = self._clock()
+        started = time.perf_counter()
+        found = self.core.evaluate(now)
+        self._metrics.evaluate_seconds.observe(time.perf_counter() - started)
+        fresh = [i for i in found if not self._already_reported(i)]
+        if not fresh:
+            return []
+        detectors = self.core.config
+        fresh = [
+            restamp(i, evidence={"policy": policy_for(i, detectors), "found_by": "central"})
+            for i in fresh
+        ]
+        for incident in fresh:
+            self._metrics.incidents.labels(kind=incident.kind.value).inc()
+            log.warning(
+                "incident: %s",
+                incident.summary,
+                extra={"replica_id": incident.replica_id, "rank": incident.rank},
+            )
+        await self._guard_store(self.store.add_incidents(fresh))
+        for incident in fresh:
+            if incident.evidence["policy"] == "evict":
+                self._evict(incident)
+        return fresh
+
+    def _already_reported(self, incident: Incident) -> bool:
+        if incident.kind != IncidentKind.FAIL_STOP or incident.rank is None:
+            return False
+        return RankId(replica_id=incident.replica_id, rank=incident.rank) in self._agent_failstops
+
+    def _evict(self, incident: Incident) -> None:
+        if self._quorum is None:
+            return
+        quorum = self._quorum
+        reason = f"{incident.kind.value}: {incident.summary}"
+
+        async def act() -> None:
+            await quorum.report_failure(
+                incident.replica_id, reason, reporter=f"fthsdp-health:{self._config.node}"
+            )
+
+        task = asyncio.create_task(act())
+        self._actions.add(task)
+        task.add_done_callback(self._actions.discard)
+
+    # ---- views ------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The engine's clock (the time every stored record is on)."""
+        return self._clock()
+
+    def replicas(self) -> list[ReplicaView]:
+        """Every known replica (the core's view)."""
+        return self.core.replicas()
+
+    def nodes(self) -> list[NodeView]:
+        """Every node agent heard from, sorted by name."""
+        return [self._nodes[name] for name in sorted(self._nodes)]

@@ -1,0 +1,145 @@
+"""Real processes as emulated ranks (`health_rank.py`, reporting through `TelemetryClient` to a
+real node agent that forwards to a real central service), with real faults.
+
+What each fault looks like:
+- SIGKILL: the process and its heartbeat thread are gone -> the agent's fail-stop detector names
+  the rank after `heartbeat_timeout`.
+- SIGSTOP: also fail-stop, not hang. The heartbeats come from a thread of the stopped process,
+  so they stop too; the agent cannot tell a stopped process from a dead one, and for the job it
+  does not matter (both leave the replica's collectives waiting forever). A hang incident is for
+  a rank that keeps beating but makes no progress inside a collective.
+- slowed steps: the fail-slow detector (workload-aware predictor fitted during warm-up) names the
+  replica once its step time stays above the prediction by the margin.
+- a flipped fingerprint: the SDC detector names the replica whose digest differs from the
+  majority."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from services.health.detectors.config import DetectorConfig
+from services.health.runner import HealthNode
+from services.health.telemetry import Incident, IncidentKind
+from tests.integration.conftest import eventually
+from tests.integration.health_support import health_nodes
+
+ROOT = Path(__file__).resolve().parents[2]
+Spawn = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+async def spawn(token: str) -> AsyncIterator[Spawn]:
+    """Starts rank processes; kills (and reaps) every one at the end."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(agent: str, replica: str, *extra: str) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "tests.integration.health_rank", "--agent", agent]
+        argv += ["--replica", replica, *extra]
+        env = {**os.environ, "FTHSDP_TOKEN": token}
+        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+        process.wait(timeout=10)
+
+
+async def _stack(
+    make: object, detectors: DetectorConfig | None = None
+) -> tuple[HealthNode, HealthNode]:
+    central = await make(detectors=detectors, http_port=None)  # type: ignore[operator]
+    agent = await make(  # type: ignore[operator]
+        mode="agent",
+        central=central.grpc_address,
+        http_port=None,
+        heartbeat_timeout=timedelta(milliseconds=400),
+    )
+    return central, agent
+
+
+async def _incident_naming(
+    central: HealthNode, kinds: set[IncidentKind], replica_id: str, seconds: float = 20.0
+) -> Incident:
+    assert central.engine is not None
+    store = central.engine.store
+    found: list[Incident] = []
+
+    async def named() -> bool:
+        found[:] = [
+            i
+            for i in await store.incidents(limit=1000)
+            if i.kind in kinds and i.replica_id == replica_id
+        ]
+        return bool(found)
+
+    await eventually(named, seconds)
+    return found[0]
+
+
+async def _all_running(agent: HealthNode, count: int) -> None:
+    assert agent.agent is not None
+    node = agent.agent
+
+    async def running() -> bool:
+        return len([r for r in node.node_state().ranks if r.step >= 1]) == count
+
+    await eventually(running, 30.0)
+
+
+async def test_killed_and_stopped_ranks_are_named_as_fail_stop(spawn: Spawn, token: str) -> None:
+    async with health_nodes(token) as make:
+        central, agent = await _stack(make)
+        ranks = {r: spawn(agent.grpc_address, r) for r in ("r0", "r1", "r2")}
+        await _all_running(agent, 3)
+
+        ranks["r0"].kill()
+        killed = await _incident_naming(central, {IncidentKind.FAIL_STOP}, "r0")
+        assert killed.rank == 0 and killed.evidence["found_by"] == "agent:testhost"
+
+        ranks["r1"].send_signal(signal.SIGSTOP)
+        stopped = await _incident_naming(central, {IncidentKind.FAIL_STOP}, "r1")
+        assert stopped.rank == 0
+
+        assert central.engine is not None
+        named = {i.replica_id for i in await central.engine.store.incidents(limit=1000)}
+        assert "r2" not in named  # the healthy rank is never blamed
+
+
+async def test_slowed_steps_and_a_flipped_fingerprint_name_their_replicas(
+    spawn: Spawn, token: str
+) -> None:
+    detectors = DetectorConfig(
+        fail_slow_warmup_steps=8, fail_slow_persist_steps=3, sdc_min_replicas=3
+    )
+    async with health_nodes(token) as make:
+        central, agent = await _stack(make, detectors)
+        spawn(agent.grpc_address, "r0")
+        spawn(agent.grpc_address, "r1")
+        spawn(agent.grpc_address, "r2", "--slow-after", "15", "--slow-factor", "4")
+        spawn(agent.grpc_address, "r3", "--flip-after", "10")
+        await _all_running(agent, 4)
+
+        sdc = await _incident_naming(central, {IncidentKind.SDC}, "r3")
+        assert sdc.evidence  # the digests behind the verdict
+        slow = await _incident_naming(
+            central, {IncidentKind.FAIL_SLOW, IncidentKind.SLOW_RANK}, "r2"
+        )
+        assert slow.summary
+        assert central.engine is not None
+        corrupt = {
+            i.replica_id
+            for i in await central.engine.store.incidents(kind=IncidentKind.SDC, limit=1000)
+        }
+        assert corrupt == {"r3"}

@@ -1,0 +1,267 @@
+"""The health service over real servers on free ports: grpc.aio ingest, uvicorn HTTP, a real
+quorum service. Auth, agent -> central forwarding, fail-stop -> eviction -> new quorum, policy
+evictions, and clear errors for bad inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from datetime import timedelta
+
+import grpc
+import httpx
+import pytest
+
+from protos import health_pb2 as pb
+from services.health.client import TelemetryClient
+from services.health.client_http import HealthClient
+from services.health.client_types import HealthAuthError, InvalidReportError
+from services.health.detectors.config import DetectorConfig
+from services.quorum.client import AsyncQuorumClient, RankEndpoint
+from tests.integration.conftest import QuorumServerFactory, eventually
+from tests.integration.health_support import (
+    NodeFactory,
+    health_nodes,
+    heartbeat,
+    incident,
+    rank_ref,
+    report,
+)
+
+RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
+
+
+@pytest.fixture
+async def make_node(token: str):  # type: ignore[no-untyped-def]
+    async with health_nodes(token) as make:
+        yield make
+
+
+async def test_every_api_needs_the_token_except_probes_and_the_page(
+    make_node: NodeFactory, token: str
+) -> None:
+    central = await make_node()
+    request = pb.ReportRequest(source="x", heartbeats=[heartbeat("r0")])
+    for presented in (None, "wrong-token-wrong-token"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await report(central.grpc_address, presented, request)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert central.engine is not None and central.engine.replicas() == []
+    async with httpx.AsyncClient(base_url=central.http_url or "") as http:
+        for path in ("/v1/replicas", "/v1/incidents", "/v1/detectors", "/metrics"):
+            response = await http.get(path)
+            assert response.status_code == 401, path
+            assert response.json()["error"] == "unauthorized"
+        assert (
+            await http.get("/v1/replicas", headers={"authorization": "Bearer " + token})
+        ).is_success
+        for path in ("/livez", "/readyz", "/dashboard", "/static/dashboard.js"):
+            assert (await http.get(path)).status_code == 200, path
+    with HealthClient(central.http_url or "", "x" * 20) as intruder, pytest.raises(HealthAuthError):
+        await asyncio.to_thread(intruder.replicas)
+
+
+async def test_agent_forwards_telemetry_and_node_state_to_central(
+    make_node: NodeFactory, token: str
+) -> None:
+    central = await make_node()
+    agent = await make_node(mode="agent", central=central.grpc_address, node="node-a")
+    client = TelemetryClient(agent.grpc_address, token, replica_id="r0", rank=1, host="node-a")
+    try:
+        now = time.time()
+        client.step(7, started_at=now - 0.5, duration_s=0.5, tokens=1024, sum_seq_len_sq=4096)
+        client.fingerprint(7, "abc123")
+        engine = central.engine
+        assert engine is not None
+
+        async def central_sees_it() -> bool:
+            views = {v.replica_id: v for v in engine.replicas()}
+            steps = await engine.store.records("steps", 10)
+            return "r0" in views and views["r0"].last_step == 7 and len(steps) == 1
+
+        await eventually(central_sees_it)
+        view = engine.replicas()[0]
+        assert view.hosts == ("node-a",) and view.state == "healthy"
+        assert [n.node for n in engine.nodes()] == ["node-a"]
+        steps = await engine.store.records("steps", 10)
+        assert steps[0]["rank"] == {"replica_id": "r0", "rank": 1}
+        assert steps[0]["tokens"] == 1024 and steps[0]["sum_seq_len_sq"] == 4096
+        # The time was rebased onto the receiver's clock, within the transit delay.
+        assert abs(steps[0]["started_at"] - (now - 0.5)) < 2.0
+    finally:
+        await asyncio.to_thread(client.close)
+
+
+async def _two_replica_quorum(address: str, token: str) -> tuple[AsyncQuorumClient, int]:
+    """Replicas r0 and r1 joined and in a first quorum; returns r0's client and incarnation."""
+    a, b = AsyncQuorumClient(address, token), AsyncQuorumClient(address, token)
+    inc_a, inc_b = await a.join("r0", [RANK]), await b.join("r1", [RANK])
+    first = await asyncio.gather(
+        a.quorum("r0", inc_a, 0, timeout=timedelta(seconds=10)),
+        b.quorum("r1", inc_b, 0, timeout=timedelta(seconds=10)),
+    )
+    assert {m.replica_id for m in first[0].members} == {"r0", "r1"}
+    await b.close()
+    return a, inc_a
+
+
+async def test_a_silent_rank_is_reported_by_its_agent_and_a_new_quorum_forms_without_it(
+    make_node: NodeFactory, make_quorum_server: QuorumServerFactory, token: str
+) -> None:
+    # The quorum service's own timeouts are long, so only the agent's report can explain a
+    # quick new quorum without r1.
+    quorum = await make_quorum_server(
+        heartbeat_timeout=timedelta(seconds=30), join_timeout=timedelta(seconds=30)
+    )
+    central = await make_node()
+    agent = await make_node(
+        mode="agent",
+        central=central.grpc_address,
+        quorum=(quorum.address,),
+        heartbeat_timeout=timedelta(milliseconds=400),
+    )
+    leader, incarnation = await _two_replica_quorum(quorum.address, token)
+    ranks = [
+        TelemetryClient(agent.grpc_address, token, replica_id=r, rank=0, host="testhost")
+        for r in ("r0", "r1")
+    ]
+    try:
+        assert agent.agent is not None
+        await eventually(lambda: _async(len(agent.agent.node_state().ranks) == 2))
+        # r1's process falls silent (no clean-exit notice).
+        await asyncio.to_thread(ranks[1].close, leave=False)
+        silent_since = time.monotonic()
+        new = await leader.quorum("r0", incarnation, 1, timeout=timedelta(seconds=10))
+        elapsed = time.monotonic() - silent_since
+        assert [m.replica_id for m in new.members] == ["r0"]
+        print(f"silence -> new quorum: {elapsed:.3f} s")
+        assert elapsed < 3.0, f"new quorum after {elapsed:.2f} s"
+        engine = central.engine
+        assert engine is not None
+
+        async def central_has_the_incident() -> bool:
+            return bool(await engine.store.incidents(kind=None))
+
+        await eventually(central_has_the_incident)
+        (found,) = await engine.store.incidents()
+        assert (found.kind.value, found.replica_id, found.rank) == ("fail_stop", "r1", 0)
+        assert found.evidence["quorum"] == "evicted"
+        assert found.evidence["found_by"] == "agent:testhost"
+        await eventually(lambda: _async(_state(engine, "r1") == "down"))
+        assert _state(engine, "r0") == "healthy"
+    finally:
+        for client in ranks:
+            await asyncio.to_thread(client.close)
+        await leader.close()
+
+
+def _state(engine: object, replica_id: str) -> str | None:
+    views = {v.replica_id: v for v in engine.replicas()}  # type: ignore[attr-defined]
+    view = views.get(replica_id)
+    return None if view is None else view.state
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_sdc_is_evicted_by_policy_and_fail_slow_policy_is_settable(
+    make_node: NodeFactory, make_quorum_server: QuorumServerFactory, token: str
+) -> None:
+    quorum = await make_quorum_server(heartbeat_timeout=timedelta(seconds=30))
+    clients = [AsyncQuorumClient(quorum.address, token) for _ in range(3)]
+    for i, client in enumerate(clients):
+        await client.join(f"r{i}", [RANK])
+    central = await make_node(quorum=(quorum.address,))
+    fingerprints = [
+        pb.FingerprintRecord(replica_id=f"r{i}", step=5, digest="bad" if i == 2 else "good")
+        for i in range(3)
+    ]
+    await report(central.grpc_address, token, pb.ReportRequest(fingerprints=fingerprints))
+
+    async def r2_evicted() -> bool:
+        status = await clients[0].status()
+        return [m.replica_id for m in status.members] == ["r0", "r1"]
+
+    await eventually(r2_evicted)
+    http = HealthClient(central.http_url or "", token)
+    incidents = await asyncio.to_thread(http.incidents, kind="sdc")
+    assert [(i["replica_id"], i["evidence"]["policy"]) for i in incidents] == [("r2", "evict")]
+    assert await asyncio.to_thread(http.incidents, kind="hang") == []
+    changed = await asyncio.to_thread(http.set_detectors, {"fail_slow_policy": "evict"})
+    assert changed["fail_slow_policy"] == "evict"
+    assert central.engine is not None
+    assert central.engine.detectors.fail_slow_policy == "evict"
+    assert central.engine.detectors.heartbeat_timeout_s == DetectorConfig().heartbeat_timeout_s
+    history = await asyncio.to_thread(http.quorum_history)
+    assert history["configured"] is True
+    assert [m["replica_id"] for m in history["members"]] == ["r0", "r1"]
+    http.close()
+    for client in clients:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("request_", "needle"),
+    [
+        (
+            pb.ReportRequest(heartbeats=[pb.HeartbeatRecord(rank=rank_ref(""), at=1.0)]),
+            "replica_id",
+        ),
+        (pb.ReportRequest(heartbeats=[heartbeat("r 0")]), "whitespace"),
+        (pb.ReportRequest(heartbeats=[heartbeat("r0", rank=-1)]), "rank"),
+        (
+            pb.ReportRequest(heartbeats=[pb.HeartbeatRecord(rank=rank_ref("r0"), at=math.nan)]),
+            "heartbeat.at",
+        ),
+        (pb.ReportRequest(heartbeats=[heartbeat("r0")] * 10001), "at most 10000"),
+        (pb.ReportRequest(incidents=[incident("meltdown", "r0", "x")]), "incident.kind"),
+        (
+            pb.ReportRequest(
+                incidents=[pb.IncidentRecord(kind="sdc", replica_id="r0", evidence_json="[1]")]
+            ),
+            "JSON object",
+        ),
+        (
+            pb.ReportRequest(
+                steps=[pb.StepRecord(rank=rank_ref("r0"), duration_s=1.0, exchange_wait_s=2.0)]
+            ),
+            "exchange_wait_s",
+        ),
+    ],
+)
+async def test_bad_batches_are_invalid_argument_and_change_nothing(
+    make_node: NodeFactory, token: str, request_: pb.ReportRequest, needle: str
+) -> None:
+    central = await make_node(http_port=None)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await report(central.grpc_address, token, request_)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in (refused.value.details() or "")
+    assert central.engine is not None and central.engine.replicas() == []
+
+
+async def test_bad_http_inputs_are_400_with_a_json_body(make_node: NodeFactory, token: str) -> None:
+    central = await make_node()
+    headers = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=central.http_url or "", headers=headers) as http:
+        for path in (
+            "/v1/incidents?kind=meltdown",
+            "/v1/incidents?limit=0",
+            "/v1/incidents?since=-1",
+            "/v1/incidents?since=nan",
+        ):
+            response = await http.get(path)
+            assert response.status_code == 400, path
+            assert response.json()["error"] == "invalid_argument"
+        for body in (b'{"no_such_setting": 1}', b'{"fail_slow_policy": "shrug"}', b"[1]", b"{"):
+            response = await http.put("/v1/detectors", content=body)
+            assert response.status_code == 400, body
+            assert response.json()["error"] == "invalid_argument"
+        big = b'{"x": "' + b"a" * 70_000 + b'"}'
+        assert (await http.put("/v1/detectors", content=big)).status_code == 413
+        assert (await http.get("/v1/records/nope")).status_code == 404
+        assert (await http.get("/v1/detectors")).json()["fail_slow_policy"] == "report"
+    with HealthClient(central.http_url or "", token) as client, pytest.raises(InvalidReportError):
+        await asyncio.to_thread(client.incidents, kind="meltdown")

@@ -1,0 +1,98 @@
+"""The node agent with a fake clock and a recording quorum link: a silent rank is reported at
+once and only once, clean exits are no incident, the node state leaves silent ranks out, and the
+buffer for the central service is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from services.common.tokens import Token
+from services.health.agent import NodeAgent
+from services.health.client_codec import ReportBatch
+from services.health.config import HealthConfig
+from services.health.metrics import HealthMetrics
+from services.health.telemetry import Heartbeat, RankId, StepRecord
+
+
+class FakeQuorum:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, str]] = []
+
+    async def report_failure(self, replica_id: str, reason: str, *, reporter: str) -> str:
+        self.reports.append((replica_id, reporter))
+        return "evicted"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _agent(**overrides: object) -> tuple[NodeAgent, FakeQuorum, Clock]:
+    config = HealthConfig(
+        mode="agent", node="n1", heartbeat_timeout=timedelta(milliseconds=500), **overrides
+    )  # type: ignore[arg-type]
+    quorum, clock = FakeQuorum(), Clock()
+    agent = NodeAgent(config, Token("t" * 20), HealthMetrics(), quorum=quorum, clock=clock)  # type: ignore[arg-type]
+    return agent, quorum, clock
+
+
+def _beats(clock: Clock, *replicas: str, step: int = 1) -> ReportBatch:
+    return ReportBatch(
+        source="x",
+        host="n1",
+        heartbeats=tuple(
+            Heartbeat(rank=RankId(replica_id=r, rank=0), host="n1", step=step, at=clock.now)
+            for r in replicas
+        ),
+    )
+
+
+async def test_a_silent_rank_is_reported_at_once_and_once() -> None:
+    agent, quorum, clock = _agent()
+    await agent.ingest(_beats(clock, "r0", "r1"))
+    clock.now += 0.3
+    await agent.ingest(_beats(clock, "r0"))
+    assert agent.check_once() == []
+    clock.now += 0.3  # r1 silent for 0.6 s > 0.5 s
+    (found,) = agent.check_once()
+    assert (found.kind.value, found.replica_id, found.rank, found.host) == (
+        "fail_stop",
+        "r1",
+        0,
+        "n1",
+    )
+    await asyncio.sleep(0)  # the report task runs
+    await asyncio.sleep(0)
+    assert quorum.reports == [("r1", "fthsdp-health-agent:n1")]
+    assert agent.check_once() == []  # reported once
+    assert [r.rank.replica_id for r in agent.node_state().ranks] == ["r0"]
+    held = agent._take_batch().incidents
+    assert held[0].evidence["quorum"] == "evicted"
+
+
+async def test_a_clean_exit_is_no_incident() -> None:
+    agent, quorum, clock = _agent()
+    await agent.ingest(_beats(clock, "r0"))
+    await agent.ingest(ReportBatch(source="x", host="n1", left=(RankId(replica_id="r0", rank=0),)))
+    clock.now += 10
+    assert agent.check_once() == []
+    assert quorum.reports == []
+
+
+async def test_the_buffer_keeps_the_newest_records_and_counts_drops() -> None:
+    agent, _, _ = _agent(max_batch_records=10, max_buffered_records=20)
+    rank = RankId(replica_id="r0", rank=0)
+    steps = tuple(
+        StepRecord(rank=rank, step=n, started_at=1.0, duration_s=0.1, tokens=1, sum_seq_len_sq=1)
+        for n in range(50)
+    )
+    await agent.ingest(ReportBatch(source="x", host="n1", steps=steps))
+    assert agent.dropped == 30
+    first = agent._take_batch()
+    assert [s.step for s in first.steps] == list(range(30, 40))
+    assert first.node is not None and first.node.dropped == 30

@@ -1,0 +1,143 @@
+"""TelemetryClient against a real local gRPC ingest server: batching, heartbeats with progress,
+bounded queue that drops (and counts) instead of blocking, a dead service that costs the caller
+nothing, and the clean-exit notice."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+
+from services.common.tokens import Token
+from services.health.client import TelemetryClient
+from services.health.client_codec import ReportBatch
+from services.health.metrics import HealthMetrics
+from services.health.server import IngestServer
+
+
+class RecordingSink:
+    """Keeps every batch; `gate` (when cleared) holds every Report open."""
+
+    def __init__(self) -> None:
+        self.batches: list[ReportBatch] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def ingest(self, batch: ReportBatch) -> None:
+        await self.gate.wait()
+        self.batches.append(batch)
+
+
+@pytest.fixture
+async def sink_server(token: str) -> AsyncIterator[tuple[RecordingSink, IngestServer]]:
+    sink = RecordingSink()
+    server = IngestServer(
+        host="127.0.0.1",
+        port=0,
+        token=Token(token),
+        sink=sink,
+        metrics=HealthMetrics(),
+        grace=timedelta(milliseconds=100),
+    )
+    await server.start()
+    yield sink, server
+    sink.gate.set()
+    await server.stop()
+
+
+async def _until(check: object, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_records_arrive_batched_with_heartbeats_carrying_progress(
+    sink_server: tuple[RecordingSink, IngestServer], token: str
+) -> None:
+    sink, server = sink_server
+    client = TelemetryClient(
+        server.address, token, replica_id="r0", rank=2, host="h1", max_batch=64
+    )
+    try:
+        now = time.time()
+        for step in range(200):
+            client.step(step, started_at=now, duration_s=0.01, tokens=8, sum_seq_len_sq=64)
+        client.collective("replica:r0", 1, "allreduce", started_at=now)
+        client.fingerprint(199, "abc")
+
+        def all_arrived() -> bool:
+            return sum(len(b.steps) for b in sink.batches) == 200 and any(
+                b.fingerprints for b in sink.batches
+            )
+
+        await _until(all_arrived)
+        steps = [s for b in sink.batches for s in b.steps]
+        assert [s.step for s in steps] == list(range(200))
+        assert max(len(b.steps) for b in sink.batches) <= 64  # batched, bounded
+        assert len(sink.batches) < 50  # not one RPC per record
+        await _until(lambda: any(h.step == 199 for b in sink.batches for h in b.heartbeats))
+        beat = next(h for b in sink.batches for h in b.heartbeats if h.step == 199)
+        assert (beat.rank.replica_id, beat.rank.rank, beat.host) == ("r0", 2, "h1")
+        assert sum(len(b.collectives) for b in sink.batches) == 1
+        assert client.stats.dropped == 0
+    finally:
+        await asyncio.to_thread(client.close)
+    assert sink.batches[-1].left[0].replica_id == "r0"  # the clean-exit notice
+
+
+async def test_a_full_queue_drops_and_counts_without_blocking(
+    sink_server: tuple[RecordingSink, IngestServer], token: str
+) -> None:
+    sink, server = sink_server
+    sink.gate.clear()  # the service accepts nothing: every send hangs until its deadline
+    client = TelemetryClient(
+        server.address,
+        token,
+        replica_id="r0",
+        rank=0,
+        queue_size=100,
+        rpc_timeout=timedelta(seconds=5),
+    )
+    try:
+        started = time.perf_counter()
+        for step in range(1000):
+            client.step(step, started_at=1.0, duration_s=0.1)
+        elapsed = time.perf_counter() - started
+        assert elapsed < 0.5, f"1000 calls took {elapsed:.3f} s"
+        assert client.stats.dropped >= 800
+        client.step(-5, started_at=1.0, duration_s=0.1)  # invalid: dropped, never raised
+    finally:
+        sink.gate.set()
+        await asyncio.to_thread(client.close)
+
+
+async def test_a_dead_service_costs_the_caller_nothing(token: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+    client = TelemetryClient(f"127.0.0.1:{port}", token, replica_id="r0", rank=0, queue_size=50)
+    try:
+        started = time.perf_counter()
+        for step in range(500):
+            client.set_step(step)
+            client.step(step, started_at=1.0, duration_s=0.1)
+            client.fingerprint(step, "d")
+        assert time.perf_counter() - started < 0.5
+        await _until(lambda: client.stats.failed_batches >= 1)
+        assert client.stats.sent_batches == 0
+    finally:
+        started = time.perf_counter()
+        await asyncio.to_thread(client.close, timedelta(milliseconds=200))
+        assert time.perf_counter() - started < 3.0
+
+
+def test_bad_settings_raise_at_construction_only(token: str) -> None:
+    with pytest.raises(ValueError):
+        TelemetryClient("127.0.0.1:1", token, replica_id="a b", rank=0)
+    with pytest.raises(ValueError):
+        TelemetryClient("127.0.0.1:1", token, replica_id="r0", rank=0, max_batch=0)

@@ -1,0 +1,83 @@
+"""Hang: the wait-for graph over collective records names the rank that never entered."""
+
+from __future__ import annotations
+
+from services.health.core import HealthCore
+from services.health.detectors.config import DetectorConfig
+from services.health.telemetry import CollectiveRecord, IncidentKind, RankId
+
+CFG = DetectorConfig(hang_timeout_s=5.0)
+
+
+def _rec(replica: str, rank: int, group: str, seq: int, start: float, end: float | None):  # type: ignore[no-untyped-def]
+    return CollectiveRecord(
+        rank=RankId(replica_id=replica, rank=rank),
+        group=group,
+        seq=seq,
+        op="allreduce",
+        started_at=start,
+        ended_at=end,
+    )
+
+
+def _healthy_round(core: HealthCore, seq: int, t: float) -> None:
+    """Two replicas x 2 ranks: intra groups then rings, all completing."""
+    recs = []
+    for r in ("a", "b"):
+        for i in (0, 1):
+            recs.append(_rec(r, i, f"replica:{r}", seq, t, t + 0.1))
+            recs.append(_rec(r, i, f"ftar:1:{i}", seq, t + 0.2, t + 0.3))
+    core.collectives(recs)
+
+
+def test_rank_that_never_entered_is_named_through_the_graph() -> None:
+    core = HealthCore(CFG)
+    _healthy_round(core, 0, 0.0)
+    # Rank 1 of replica a never enters intra #1; a/0 blocks in it; b's ranks block in rings.
+    core.collectives(
+        [
+            _rec("a", 0, "replica:a", 1, 1.0, None),
+            _rec("b", 0, "replica:b", 1, 1.0, 1.1),
+            _rec("b", 1, "replica:b", 1, 1.0, 1.1),
+            _rec("b", 0, "ftar:1:0", 1, 1.2, None),
+            _rec("b", 1, "ftar:1:1", 1, 1.2, None),
+        ]
+    )
+    assert core.evaluate(5.0) == []  # nothing open for 5 s yet
+    found = core.evaluate(6.5)
+    assert [(i.kind, i.replica_id, i.rank) for i in found] == [(IncidentKind.HANG, "a", 1)]
+    assert found[0].evidence["group"] == "replica:a"
+    assert found[0].evidence["reason"] == "never_entered"
+    # intra a#1, ring 0 (b/0 waits on a/0, inside a#1) and ring 1 (a/1 never entered it)
+    assert found[0].evidence["blocked_collectives"] == 3
+    assert core.evaluate(7.0) == []  # reported once
+
+
+def test_member_that_never_left_is_named() -> None:
+    core = HealthCore(CFG)
+    _healthy_round(core, 0, 0.0)
+    core.collectives(
+        [
+            _rec("a", 0, "ftar:1:0", 1, 1.0, None),
+            _rec("b", 0, "ftar:1:0", 1, 1.0, 1.5),
+        ]
+    )
+    found = core.evaluate(7.0)
+    assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [("a", 0, "never_left")]
+
+
+def test_no_hang_while_collectives_complete_or_are_young() -> None:
+    core = HealthCore(CFG)
+    for seq in range(20):
+        _healthy_round(core, seq, float(seq))
+    core.collectives([_rec("a", 0, "replica:a", 20, 20.0, None)])
+    assert core.evaluate(24.0) == []
+
+
+def test_a_clean_leave_unblocks_the_collective() -> None:
+    core = HealthCore(CFG)
+    _healthy_round(core, 0, 0.0)
+    core.collectives([_rec("b", 1, "ftar:1:1", 1, 1.0, None)])
+    core.rank_left(RankId(replica_id="a", rank=1))
+    core.collectives([_rec("b", 1, "ftar:1:1", 1, 1.0, 1.2)])
+    assert core.evaluate(10.0) == []
