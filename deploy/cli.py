@@ -9,7 +9,9 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from deploy import status_cmd
 from deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
+from deploy.up import add_up_parser, run_up_command
 
 
 def _positive_seconds(text: str) -> timedelta:
@@ -138,9 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fthsdp", description="fault-tolerant HSDP training")
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
+    add_up_parser(sub)
+    status_cmd.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
+        if args.command == "up":
+            return run_up_command(args)
+        if args.command == "status":
+            return status_cmd.run(args, sys.stdout)
         return _run_demo(args)
     except ValueError as exc:
         parser.error(str(exc))
