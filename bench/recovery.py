@@ -24,7 +24,17 @@ invocation, so every comparison is between runs measured side by side on the sam
 5. Fault-free overhead: the median commit interval of the fault-free run (per replica, warm-up
    skipped) against plain torch DDP over gloo with replicas × ranks processes in one group, same
    model, seed, micro-batch and sampling (`bench.ddp_baseline`), run right before and right after
-   the fault-free run so load drift hits both sides alike.
+   the fault-free run so load drift hits both sides alike. Same number of training processes on
+   both sides (replicas × ranks, one intra-op thread each); DDP's all-reduce of its single
+   bucket (the model is far below DDP's 25 MB bucket) runs inside backward, fthsdp's exchange
+   after backward (the demo's default; `overlap_backward` is off). What only fthsdp pays is
+   counted against it: the quorum service (embedded in this process), one checkpoint sidecar
+   process per replica, per-step data-position records, the leaders' quorum requests and the
+   Manager's threads. On its own, with several repeats, each fault-free run between two DDP
+   runs (the median ratio is the number to read; the spread of the DDP medians is the noise):
+
+    python -m bench.recovery --overhead-only --overhead-repeats 3 --duration-s 20 \
+        --json bench-overhead.json
 
 Prints a table next to the targets of DESIGN.md and writes JSON with every number, the command
 line, the machine (CPUs, load average) and the settings. Not a pass/fail test: on a small shared
@@ -80,6 +90,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ddp-steps", type=int, default=300, help="measured DDP steps per DDP run")
     p.add_argument("--ddp-warmup", type=int, default=30, help="unmeasured DDP steps first")
+    p.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="only the fault-free overhead: DDP and fault-free fthsdp runs, alternating",
+    )
+    p.add_argument(
+        "--overhead-repeats",
+        type=int,
+        default=1,
+        help="fault-free fthsdp runs, each between two DDP runs (the ratio's median is reported)",
+    )
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument(
         "--work-dir", type=Path, help="run directories go under it (default: a new temp dir)"
@@ -87,6 +108,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.replicas < 2:
         p.error("--replicas must be >= 2 (one must survive a failure)")
+    if args.overhead_repeats < 1:
+        p.error("--overhead-repeats must be >= 1")
     if args.ranks < 1 or args.micro_batch < 1 or args.ddp_steps < 1:
         p.error("--ranks, --micro-batch and --ddp-steps must be >= 1")
     if args.duration_s <= 0 or args.kill_every_s <= 0:
@@ -432,6 +455,32 @@ def compare(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def overhead_repeats(phases: dict[str, dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """Per fault-free run, its median step against the mean of the DDP runs right before and
+    right after it; the median over the runs is the overhead to read. The spread of the DDP
+    runs' medians is the machine's noise on this measurement."""
+    ddp_names = ["ddp_before", *(f"ddp_after_{i}" if i else "ddp_after" for i in range(repeats))]
+    ddp = [_get(phases, name, "interval_s", "median") for name in ddp_names]
+    rows = []
+    for i in range(repeats):
+        ft = _get(phases, "faultfree" if i == 0 else f"faultfree_{i}", "step_times", "interval_s")
+        around = [v for v in (ddp[i], ddp[i + 1]) if v is not None]
+        base = statistics.mean(around) if around else None
+        median = None if ft is None else ft.get("median")
+        rows.append({"fthsdp_median_step_s": median, "ddp_median_step_s": base,
+                     "ratio": _ratio(median, base)})  # fmt: skip
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    known = [v for v in ddp if v is not None]
+    return {
+        "runs": rows,
+        "ddp_median_step_s_each": ddp,
+        "ratio_median": statistics.median(ratios) if ratios else None,
+        "ratio_min": min(ratios, default=None),
+        "ratio_max": max(ratios, default=None),
+        "ddp_noise": (max(known) - min(known)) / statistics.median(known) if known else None,
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Output
 
@@ -445,18 +494,26 @@ def _f(value: Any, fmt: str = ".3f", scale: float = 1.0) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    s, ph, cmp_ = result["settings"], result["phases"], result["comparison"]
+    s, ph = result["settings"], result["phases"]
     m = result["machine"]
-    ft, base, ff = ph.get("fthsdp", {}), ph.get("baseline", {}), ph.get("faultfree", {})
     lines = [
         f"fthsdp recovery: {s['replicas']} replicas × {s['ranks']} ranks, {s['duration_s']:g} s "
         f"per run, kill every {s['kill_every_s']:g} s ({s['kill_mode']}), seed {s['seed']}",
         f"machine: {m['nproc']} cpus, load avg {m['load_avg_start']} at start, "
         f"{m['load_avg_end']} at end; work dir {result['work_dir']}",
     ]
-    for name in ("fthsdp", "baseline", "faultfree", "ddp_before", "ddp_after"):
-        if "error" in ph.get(name, {}):
-            lines.append(f"!! {name} failed: {ph[name]['error']}")
+    for name, phase in ph.items():
+        if "error" in phase:
+            lines.append(f"!! {name} failed: {phase['error']}")
+    if s.get("overhead_only"):
+        return "\n".join(lines + render_overhead(result))
+    lines += _render_failures(result)
+    return "\n".join(lines + render_overhead(result))
+
+
+def _render_failures(result: dict[str, Any]) -> list[str]:
+    ph, cmp_ = result["phases"], result["comparison"]
+    ft, base, ff = ph.get("fthsdp", {}), ph.get("baseline", {}), ph.get("faultfree", {})
     stall_target = cmp_["stall_target_s"]
     targets = {
         "detection_s": f"≤ {TARGET_DETECTION_S:g} s",
@@ -465,7 +522,7 @@ def render(result: dict[str, Any]) -> str:
         "time_to_healthy_s": "—",
     }
     w = 30
-    lines += [
+    lines = [
         "",
         f"{'per failure (s)':<{w}}{'FT-HSDP (replica)':>24}{'baseline (job)':>24}   target",
         f"{'':<{w}}{'median':>9}{'max':>9}{'n':>6}{'median':>9}{'max':>9}{'n':>6}",
@@ -522,6 +579,14 @@ def render(result: dict[str, Any]) -> str:
         for name, run in (("fthsdp", ft), ("baseline", base), ("faultfree", ff))
     )
     lines.append(f"invariants I1/I2  {inv}")
+    return lines
+
+
+def render_overhead(result: dict[str, Any]) -> list[str]:
+    ph, cmp_ = result["phases"], result["comparison"]
+    ff = ph.get("faultfree", {})
+    w = 30
+    lines: list[str] = []
     ov = cmp_["overhead"]
     ddp_each = ", ".join(_f(v, ".1f", 1e3) for v in ov["ddp_median_step_s_each"])
     lines += [
@@ -561,7 +626,16 @@ def render(result: dict[str, Any]) -> str:
             f"{agree['bitwise_equal_first_steps']}/{agree['steps_compared']} steps, "
             f"max |Δ| {agree['max_abs_diff']:.2e}"
         )
-    return "\n".join(lines)
+    rep = cmp_.get("overhead_repeats")
+    if rep and len(rep["runs"]) > 1:
+        each = ", ".join(_f(r["ratio"], ".3f") for r in rep["runs"])
+        lines += [
+            f"  {len(rep['runs'])} fault-free runs, each / mean(DDP before, after): {each}",
+            f"  median ratio {_f(rep['ratio_median'], '.3f')} (min {_f(rep['ratio_min'], '.3f')},"
+            f" max {_f(rep['ratio_max'], '.3f')}); DDP medians spread "
+            f"{_f(rep['ddp_noise'], '.1%')} of their median (machine noise)",
+        ]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,13 +651,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     mach = machine()
     started = time.monotonic()
     phases: dict[str, dict[str, Any]] = {}
-    phases["fthsdp"] = run_phase("fthsdp", args, root, policy="replica", kills=True)
-    phases["baseline"] = run_phase("baseline", args, root, policy="job", kills=True)
+    if not args.overhead_only:
+        phases["fthsdp"] = run_phase("fthsdp", args, root, policy="replica", kills=True)
+        phases["baseline"] = run_phase("baseline", args, root, policy="job", kills=True)
+    # DDP, fthsdp, DDP, fthsdp, ..., DDP: each fault-free run sits between two DDP runs, so load
+    # drift during the benchmark hits both sides alike.
     phases["ddp_before"] = run_ddp_phase("ddp_before", args, root)
-    phases["faultfree"] = run_phase("faultfree", args, root, policy="replica", kills=False)
-    phases["ddp_after"] = run_ddp_phase("ddp_after", args, root)
+    for i in range(args.overhead_repeats):
+        suffix = "" if i == 0 else f"_{i}"
+        phases[f"faultfree{suffix}"] = run_phase(
+            f"faultfree{suffix}", args, root, policy="replica", kills=False
+        )
+        after = "ddp_after" if i == 0 else f"ddp_after_{i}"
+        phases[after] = run_ddp_phase(after, args, root)
     mach["load_avg_end"] = _load()
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "recovery",
         "command": shlex.join([sys.executable, "-m", "bench.recovery", *sys.argv[1:]])
         if argv is None
@@ -601,7 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "phases": phases,
     }
-    result["comparison"] = compare(phases)
+    comparison = compare(phases)
+    comparison["overhead_repeats"] = overhead_repeats(phases, args.overhead_repeats)
+    result["comparison"] = comparison
     # JSON first: the numbers survive even if rendering trips over a missing one.
     text = json.dumps(result, indent=2)
     (root / "recovery.json").write_text(text)

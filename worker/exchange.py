@@ -92,6 +92,15 @@ class GradientExchange:
         if pending:
             self._buckets.append(self._bucket(pending))
         self._round: _Round | None = None
+        # Replicated layout, one dtype: the commit vote rides along with the gather of the
+        # averaged slices (one collective instead of two). Per rank: [vote, slice of bucket 0,
+        # slice of bucket 1, ...]; allocated once, reused every step.
+        self._ballots: torch.Tensor | None = None
+        self._gathered = False
+        dtypes = {b.replica.dtype for b in self._buckets}
+        if not self.sharded and group.world_size > 1 and len(dtypes) == 1:
+            per_rank = 1 + sum(b.replica.numel() // self._parts for b in self._buckets)
+            self._ballots = torch.zeros(per_rank * self._parts, dtype=dtypes.pop())
 
     def _bucket(self, params: list[torch.nn.Parameter]) -> _Bucket:
         numel = sum(local(p).numel() for p in params)
@@ -212,11 +221,46 @@ class GradientExchange:
         )
         return self.wait(timeout)
 
+    def agree(self, vote: bool) -> bool:
+        """The replica's commit vote: True only if every rank voted True. Every rank calls it
+        once per attempt, whatever its vote, so the replica's collectives stay matched.
+
+        Replicated layout: the same collective also gathers the averaged slices that each rank
+        owns, so a committing `apply` needs no further collective. They are used only when the
+        vote is unanimous (a failed attempt's slices are discarded with it)."""
+        self._gathered = False
+        ballots = self._ballots
+        if ballots is None:
+            return self._group.all_agree(vote)
+        rows = list(ballots.chunk(self._parts))
+        mine = rows[self._group.rank]
+        mine[0] = 1 if vote else 0
+        offset = 1
+        for bucket in self._buckets:
+            part = self._mine(bucket.result)
+            mine[offset : offset + part.numel()].copy_(part)
+            offset += part.numel()
+        self._group.all_gather_(rows)
+        if not all(bool(row[0] == 1) for row in rows):
+            return False
+        offset = 1
+        for bucket in self._buckets:
+            n = bucket.result.numel() // self._parts
+            for rank, piece in enumerate(bucket.result.chunk(self._parts)):
+                if rank != self._group.rank:
+                    piece.copy_(rows[rank][offset : offset + n])
+            offset += n
+        self._gathered = True
+        return True
+
     def apply(self) -> None:
-        """Writes the averaged gradient into `.grad` (replicated: gathered inside the replica)."""
+        """Writes the averaged gradient into `.grad` (replicated: gathered inside the replica,
+        by `agree` unless it could not)."""
+        gathered, self._gathered = self._gathered, False
         for bucket in self._buckets:
             if not self.sharded:
-                self._group.gather_slices_(bucket.result)
+                if not gathered:
+                    self._group.gather_slices_(bucket.result)
                 if self._group.world_size > 1:
                     bucket.result.mul_(1.0 / self._group.world_size)
             offset = 0

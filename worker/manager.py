@@ -10,6 +10,7 @@ gradient and is identical to them (I1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -34,7 +35,13 @@ from worker.exchange import GradientExchange
 from worker.faults import FaultPlan
 from worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
 from worker.peer_state import PeerState, StateFetchError
-from worker.plan import StepPlan, decode_plan, encode_failure, encode_quorum
+from worker.plan import (
+    StepPlan,
+    decode_plan,
+    encode_failure,
+    encode_quorum,
+    steady_max_step,
+)
 from worker.replica_group import ReplicaGroup
 from worker.state import fingerprint, load_state_tensors, state_tensors
 
@@ -42,6 +49,8 @@ log = logging.getLogger(__name__)
 
 POSITIONS_META = "positions"
 STEP_META = "step"
+_STEADY = -1
+"""Plan header kind: the previous plan with a new max_step (no payload follows)."""
 
 
 class TooManyFailedCommits(RuntimeError):
@@ -136,11 +145,15 @@ class Manager:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
         self._pending: Future[bytes] | None = None
         self._plan: StepPlan | None = None
+        self._sent_plan: bytes | None = None
+        """Leader: the last plan payload broadcast in full."""
         self._stop = threading.Event()
         self._watch_stream: WatchStream | None = None
         self._lock = threading.Lock()
         self._endpoints = self._gather_endpoints()
         self._incarnation = 0
+        self._last_contact = 0.0
+        """Leader: monotonic time a quorum request last went out or was answered."""
         if group.is_leader:
             self._incarnation = self._quorum.join(config.replica_id, self._endpoints)
         self._restore_durable()
@@ -239,7 +252,7 @@ class Manager:
             # A peer vanished (or the watch aborted us) while connecting: this attempt fails,
             # but the vote still happens, so the replica's ranks stay in step.
             log.warning("ring rebuild failed: %s", ring_error, extra=self._context())
-            self.group.all_agree(False)
+            self._exchange.agree(False)
             return None
         recovering = self.step < plan.max_step
         fetch: Future[tuple[dict[str, torch.Tensor], dict[str, str | int]]] | None = None
@@ -277,7 +290,7 @@ class Manager:
                 "exchange failed; retrying on a new quorum",
                 extra=self._context(quorum_id=plan.quorum_id, error=str(error)),
             )
-        if not self.group.all_agree(ok):
+        if not self._exchange.agree(ok):
             return None
         self._faults.hit("commit", self.step)
         t0 = time.monotonic()
@@ -393,6 +406,7 @@ class Manager:
             if remaining <= 0 or self._stop.is_set():
                 return encode_failure("no quorum within quorum_timeout")
             try:
+                self._last_contact = time.monotonic()
                 quorum = self._quorum.quorum(
                     self.config.replica_id,
                     self._incarnation,
@@ -400,6 +414,7 @@ class Manager:
                     commit_failed=commit_failed,
                     timeout=_seconds(remaining),
                 )
+                self._last_contact = time.monotonic()
                 return encode_quorum(quorum, self.config.replica_id)
             except StaleIncarnationError:
                 # Evicted, or the service restarted and forgot us: our state is still valid at
@@ -413,16 +428,29 @@ class Manager:
                 return encode_failure(f"quorum request failed: {exc}")
 
     def _receive_plan(self) -> StepPlan:
+        """The leader's quorum on every rank. In the steady state (only `max_step` moved on)
+        the replica's ranks exchange just that number, in one small collective, and reuse
+        their previous plan; any other change sends the whole plan."""
         payload = None
+        header = None
         if self.group.is_leader:
             assert self._pending is not None
             payload = self._pending.result()
             self._pending = None
-        plan = decode_plan(
-            self.group.broadcast_bytes(payload),
-            replica_id=self.config.replica_id,
-            rank=self.group.rank,
-        )
+            steady = None if self._plan is None else steady_max_step(self._sent_plan, payload)
+            header = [_STEADY, steady] if steady is not None else [len(payload), 0]
+        kind, max_step = self.group.broadcast_ints(header, 2)
+        if kind == _STEADY:
+            if self._plan is None:
+                raise RuntimeError("the leader sent a steady-state plan before any plan")
+            plan = dataclasses.replace(self._plan, max_step=max_step)
+        else:
+            plan = decode_plan(
+                self.group.broadcast_payload(payload, kind),
+                replica_id=self.config.replica_id,
+                rank=self.group.rank,
+            )
+            self._sent_plan = payload
         self._plan = plan
         return plan
 
@@ -435,8 +463,17 @@ class Manager:
     # ---- background threads ----------------------------------------------------------------
 
     def _heartbeat(self) -> None:
+        """Beats only when no quorum request reached the service within the interval: asking
+        for a quorum (and waiting in one) counts as alive there, so while steps are faster than
+        the interval the per-step request is the heartbeat and this thread stays quiet."""
         interval = self.config.heartbeat_interval.total_seconds()
-        while not self._stop.wait(interval):
+        delay = interval
+        while not self._stop.wait(delay):
+            quiet = time.monotonic() - self._last_contact
+            if quiet < interval:
+                delay = interval - quiet
+                continue
+            delay = interval
             with self._lock:
                 incarnation = self._incarnation
             try:

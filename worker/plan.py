@@ -76,6 +76,25 @@ def encode_failure(error: str) -> bytes:
     return json.dumps({"error": error or "no quorum"}).encode()
 
 
+def steady_max_step(previous: bytes | None, payload: bytes) -> int | None:
+    """The new `max_step` if `payload` repeats `previous` in everything but it (the steady
+    state: same quorum, same members, the step moved on), else None. Then the leader broadcasts
+    only that number and every rank reuses its previous plan with it."""
+    if previous is None or len(payload) > _MAX_PAYLOAD_BYTES:
+        return None
+    try:
+        old, new = json.loads(previous), json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(old, dict) or not isinstance(new, dict) or "error" in new or "error" in old:
+        return None
+    step = new.pop("max_step", None)
+    old.pop("max_step", None)
+    if old != new or not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    return step
+
+
 class NoQuorumError(RuntimeError):
     """The replica leader could not obtain a quorum; the replica stops."""
 

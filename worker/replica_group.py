@@ -45,9 +45,30 @@ class ReplicaGroup:
         if self.world_size == 1:
             assert payload is not None
             return payload
-        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        length = int(size.item())
+        length = self.broadcast_ints([len(payload)] if payload is not None else None, 1)[0]
+        return self.broadcast_payload(payload, length)
+
+    def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
+        """The leader's `count` int64 values on every rank (the others pass None): one small
+        fixed-size collective."""
+        if self.world_size == 1:
+            assert values is not None
+            return values
+        if values is not None and len(values) != count:
+            raise ValueError(f"expected {count} values, got {len(values)}")
+        tensor = (
+            torch.tensor(values, dtype=torch.int64)
+            if values is not None
+            else torch.empty(count, dtype=torch.int64)
+        )
+        dist.broadcast(tensor, src=0, group=self.group)
+        return [int(v) for v in tensor.tolist()]
+
+    def broadcast_payload(self, payload: bytes | None, length: int) -> bytes:
+        """The leader's payload of a `length` every rank already knows (`broadcast_ints`)."""
+        if self.world_size == 1:
+            assert payload is not None
+            return payload
         if not 0 <= length <= _MAX_MESSAGE_BYTES:
             raise ValueError(f"replica message of {length} bytes is out of bounds")
         if payload is not None:
@@ -84,6 +105,12 @@ class ReplicaGroup:
         """In-place sum over the replica's ranks (the replica's gradient before the exchange)."""
         if self.world_size > 1:
             dist.all_reduce(tensor, group=self.group)
+
+    def all_gather_(self, rows: list[torch.Tensor]) -> None:
+        """In place: every rank's `rows[rank]` lands in `rows[rank]` on every rank (equal
+        shapes; views into one buffer are fine)."""
+        if self.world_size > 1:
+            dist.all_gather(rows, rows[self.rank].clone(), group=self.group)
 
     def gather_slices_(self, flat: torch.Tensor) -> None:
         """Fills every rank's `flat` with the slices that each rank owns (slice i from rank i).

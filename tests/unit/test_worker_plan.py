@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from services.quorum.client import Member, Quorum, RankEndpoint
-from worker.plan import NoQuorumError, decode_plan, encode_failure, encode_quorum
+from worker.plan import (
+    NoQuorumError,
+    decode_plan,
+    encode_failure,
+    encode_quorum,
+    steady_max_step,
+)
 
 
 def _member(replica: str, step: int) -> Member:
@@ -57,3 +63,17 @@ def test_malformed_plans_are_value_errors(payload: bytes) -> None:
 def test_a_plan_that_leaves_this_replica_out_is_refused() -> None:
     with pytest.raises(ValueError, match="include this replica"):
         decode_plan(encode_quorum(QUORUM, "r1"), replica_id="r9", rank=0)
+
+
+def test_only_a_moved_step_is_a_steady_plan() -> None:
+    """The leader sends just max_step when nothing else changed; anything else goes in full."""
+    from dataclasses import replace
+
+    before = encode_quorum(QUORUM, "r0")
+    assert steady_max_step(None, before) is None
+    assert steady_max_step(before, encode_quorum(replace(QUORUM, max_step=6), "r0")) == 6
+    assert steady_max_step(before, encode_quorum(replace(QUORUM, quorum_id=8), "r0")) is None
+    assert steady_max_step(before, encode_quorum(replace(QUORUM, healthy=("r0",)), "r0")) is None
+    assert steady_max_step(before, encode_quorum(QUORUM, "r1")) is None  # other sources
+    assert steady_max_step(before, encode_failure("gone")) is None
+    assert steady_max_step(encode_failure("gone"), before) is None
