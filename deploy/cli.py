@@ -45,7 +45,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--kill-mode", choices=KILL_MODES, default="process",
         help="process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a "
-        "whole replica; quorum: restart the quorum service (default process)",
+        "whole replica; quorum: restart the quorum service, or SIGKILL its leader with --redis "
+        "(default process)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seeds failures and model init (default 0)")
     p.add_argument(
@@ -95,6 +96,15 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="durable checkpoints (default RUN_DIR/checkpoints); reuse one to resume a job",
     )  # fmt: skip
     p.add_argument(
+        "--redis", action="store_true",
+        help="run the quorum service as a leader and a standby on a local redis-server; "
+        "--kill-mode quorum then SIGKILLs the leader (the standby takes over)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-health", action="store_true",
+        help="do not run the health service (detectors, dashboard) nor send it telemetry",
+    )  # fmt: skip
+    p.add_argument(
         "--faults", default="",
         help="planned rank deaths replica:rank:step:point[,...], point in "
         "exchange|fetch|serve|commit (each fires once)",
@@ -123,6 +133,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         restart_policy=args.restart_policy,
         fsdp=args.fsdp,
         overlap_backward=args.overlap_backward,
+        redis=args.redis,
+        health=not args.no_health,
     )
     report = run_demo(config)
     if args.report:

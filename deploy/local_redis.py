@@ -13,12 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from deploy.processes import free_port
 
 
 def redis_binary() -> str | None:
@@ -36,7 +31,7 @@ class LocalRedis:
         self._binary = binary
         self.directory = directory
         self.password = password
-        self.port = _free_port()
+        self.port = free_port()
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -15,6 +15,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +41,14 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the kernel considers free on `host` now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def describe_exit(code: int) -> str:

@@ -1,23 +1,29 @@
-"""The fthsdp control plane as local processes: the embedded default for one machine.
+"""The fthsdp control plane as local processes, for the demo on one machine.
 
-The quorum service runs inside this process (on its own event-loop thread); each checkpoint
-sidecar is its own process, one per simulated host, so serving state never competes with the
-launcher or with training for the interpreter lock."""
+By default the quorum service runs inside this process (on its own event-loop thread, in-memory
+store). With `redis=True` it runs as two processes, a leader and a standby, electing through a
+local redis-server (the production shape: a killed leader is replaced by the standby, and the
+membership survives). The health service runs as a central process plus one node agent per
+simulated host. Each checkpoint sidecar is its own process, one per host, so serving state never
+competes with the launcher or with training for the interpreter lock."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import shutil
-import subprocess
+import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
-import httpx
-
+from deploy.local_redis import LocalRedis
+from deploy.probe import http_ok
+from deploy.processes import ManagedProcess, ServiceSpec, free_port
 from services.common.tokens import load_token
 from services.quorum.client import QuorumClient
 from services.quorum.config import QuorumConfig
@@ -26,11 +32,34 @@ from services.quorum.store import InMemoryStore, clock_epoch_floor
 
 log = logging.getLogger(__name__)
 
+_START_TIMEOUT_S = 60.0
 
-def _free_port() -> int:
-    from deploy.demo.supervisor import free_port
 
-    return free_port()
+def _http_ready(url: str) -> Callable[[], bool]:
+    return lambda: http_ok(url, 1.0)[0]
+
+
+def _wait(check: Callable[[], bool], processes: list[ManagedProcess], what: str) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not check():
+        for process in processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"{process.name} exited; see {process.spec.log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {_START_TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
+def _stop(processes: list[ManagedProcess], grace_s: float = 10.0) -> None:
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        while process.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.signal(signal.SIGKILL)
+        if process.proc is not None:
+            process.proc.wait()
 
 
 class Sidecar:
@@ -40,50 +69,38 @@ class Sidecar:
         self, *, name: str, run_dir: Path, token_file: Path, shm_dir: Path, durable_dir: Path
     ) -> None:
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_dir = shm_dir
-        self._argv = [
+        argv = [
             sys.executable, "-m", "services.checkpoint",
             "--port", str(self.port),
             "--shm-dir", str(shm_dir),
             "--durable-dir", str(durable_dir),
             "--token-file", str(token_file),
         ]  # fmt: skip
-        self._log = run_dir / "logs" / f"checkpoint-{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process = ManagedProcess(
+            ServiceSpec(
+                name=f"checkpoint-{name}",
+                argv=argv,
+                log_path=run_dir / "logs" / f"checkpoint-{name}.log",
+                ready=_http_ready(f"{self.url}/readyz"),
+            )
+        )
 
     def start(self) -> None:
         self.shm_dir.mkdir(parents=True, exist_ok=True)
-        self._log.parent.mkdir(parents=True, exist_ok=True)
-        with self._log.open("ab") as out:
-            self.proc = subprocess.Popen(self._argv, stdout=out, stderr=out)
+        self.process.start()
 
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"checkpoint sidecar {self.name} exited; see {self._log}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"checkpoint sidecar {self.name} not ready after {timeout} s")
+    def wait_ready(self) -> None:
+        _wait(self.process.spec.ready, [self.process], f"checkpoint sidecar {self.name}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop([self.process])
 
 
 class LocalStack:
-    """Quorum service + checkpoint sidecars, started together and stopped together."""
+    """Quorum service + health service + checkpoint sidecars, started and stopped together."""
 
     def __init__(
         self,
@@ -96,7 +113,11 @@ class LocalStack:
         join_timeout: timedelta = timedelta(seconds=2),
         min_replicas: int = 1,
         shm_root: Path = Path("/dev/shm"),
+        redis: bool = False,
+        health: bool = True,
     ) -> None:
+        self._run_dir = run_dir
+        self._token_file = token_file
         self._token = load_token(path=str(token_file))
         self._quorum_config = QuorumConfig(
             port=0,
@@ -105,7 +126,14 @@ class LocalStack:
             join_timeout=join_timeout,
             min_replicas=min_replicas,
         )
-        self._quorum: QuorumServerThread | None = None
+        self._embedded: QuorumServerThread | None = None
+        self._redis = (
+            LocalRedis(run_dir / "redis", password=secrets.token_hex(16)) if redis else None
+        )
+        self._quorum_processes: list[ManagedProcess] = []
+        self._health_processes: list[ManagedProcess] = []
+        self._health = health
+        self._hosts = hosts
         shm = shm_root / f"fthsdp-{run_dir.resolve().name}-{int(time.time())}"
         self._shm = shm
         self.sidecars = {
@@ -119,6 +147,11 @@ class LocalStack:
             for host in hosts
         }
         self.quorum_address = ""
+        """Every quorum service instance, comma-separated (clients fail over among them)."""
+        self.health_agents: dict[str, str] = {}
+        """Per host: the gRPC address of its health node agent (empty without health)."""
+        self.health_url = ""
+        """The health service's HTTP API and dashboard (empty without health)."""
 
     def __enter__(self) -> LocalStack:
         self.start()
@@ -133,34 +166,89 @@ class LocalStack:
         self.stop()
 
     def start(self) -> None:
+        if self._redis is not None:
+            self._redis.start()
         self.start_quorum()
+        if self._health:
+            self._start_health()
         for sidecar in self.sidecars.values():
             sidecar.start()
         for sidecar in self.sidecars.values():
-            sidecar.wait_ready(timeout=60)
+            sidecar.wait_ready()
+
+    # ---- quorum -------------------------------------------------------------------------------
 
     def start_quorum(self, port: int | None = None) -> None:
-        """Starts the quorum service (again, on the same port, after `stop_quorum`)."""
+        """Starts the quorum service: embedded (again on the same port after `stop_quorum`), or
+        the leader and standby processes with Redis."""
+        if self._redis is not None:
+            self._start_quorum_processes()
+            return
         config = self._quorum_config
         if port is not None:
             config = dataclasses.replace(config, port=port)
         # A fresh in-memory store each start, as after a real restart; its epochs begin above
         # the wall clock so quorum ids never go back (I3).
         store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
-        self._quorum = QuorumServerThread(config, self._token, store=store)
-        self.quorum_address = self._quorum.start()
+        self._embedded = QuorumServerThread(config, self._token, store=store)
+        self.quorum_address = self._embedded.start()
+
+    def _start_quorum_processes(self) -> None:
+        assert self._redis is not None
+        config = self._quorum_config
+        for name in ("quorum-a", "quorum-b"):
+            port, admin = free_port(), free_port()
+            argv = [
+                sys.executable, "-m", "services.quorum",
+                "--port", str(port),
+                "--admin-port", str(admin),
+                "--token-file", str(self._token_file),
+                "--min-replicas", str(config.min_replicas),
+                "--heartbeat-timeout-ms", str(_ms(config.heartbeat_timeout)),
+                "--join-timeout-ms", str(_ms(config.join_timeout)),
+            ]  # fmt: skip
+            spec = ServiceSpec(
+                name=name,
+                argv=argv,
+                # The Redis password travels in the environment, never on a command line.
+                env={"FTHSDP_QUORUM_REDIS_URL": self._redis.url},
+                log_path=self._run_dir / "logs" / f"{name}.log",
+                live=_http_ready(f"http://127.0.0.1:{admin}/livez"),
+                ready=_http_ready(f"http://127.0.0.1:{admin}/readyz"),
+                addresses={"grpc": f"127.0.0.1:{port}"},
+            )
+            self._quorum_processes.append(ManagedProcess(spec))
+        self._quorum_processes[0].start()  # the first one leads: a deterministic start
+        _wait(self._quorum_processes[0].spec.ready, self._quorum_processes, "the quorum leader")
+        self._quorum_processes[1].start()
+        _wait(self._quorum_processes[1].spec.live, self._quorum_processes, "the quorum standby")
+        self.quorum_address = ",".join(p.spec.addresses["grpc"] for p in self._quorum_processes)
 
     def restart_quorum(self) -> None:
-        """Stops the quorum service and starts a fresh one on the same port: with the in-memory
-        store it forgets every replica, which must rejoin by themselves."""
-        port = int(self.quorum_address.rsplit(":", 1)[1])
-        self.stop_quorum()
-        self.start_quorum(port=port)
+        """The quorum service fails. In-memory: stops and starts fresh on the same port, having
+        forgotten every replica (they rejoin by themselves). With Redis: SIGKILLs the leader,
+        whose standby takes over with the membership, then restarts it as the new standby."""
+        if self._redis is None:
+            port = int(self.quorum_address.rsplit(":", 1)[1])
+            self.stop_quorum()
+            self.start_quorum(port=port)
+            return
+        leader = next((p for p in self._quorum_processes if p.spec.ready()), None)
+        if leader is None:
+            log.warning("no quorum leader to kill right now")
+            return
+        leader.signal(signal.SIGKILL)
+        if leader.proc is not None:
+            leader.proc.wait()
+        leader.start()
+        _wait(leader.spec.live, [leader], f"{leader.name} (restarted)")
 
     def stop_quorum(self) -> None:
-        if self._quorum is not None:
-            self._quorum.stop()
-            self._quorum = None
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+        _stop(self._quorum_processes)
+        self._quorum_processes.clear()
 
     def quorum_client(self) -> QuorumClient:
         return QuorumClient(self.quorum_address, self._token.value)
@@ -175,9 +263,55 @@ class LocalStack:
         finally:
             client.close()
 
+    # ---- health -------------------------------------------------------------------------------
+
+    def _health_spec(self, name: str, mode: str, grpc: int, http: int, *extra: str) -> ServiceSpec:
+        argv = [
+            sys.executable, "-m", "services.health",
+            "--mode", mode,
+            "--port", str(grpc),
+            "--http-port", str(http),
+            "--quorum", self.quorum_address,
+            "--token-file", str(self._token_file),
+            *extra,
+        ]  # fmt: skip
+        return ServiceSpec(
+            name=name,
+            argv=argv,
+            log_path=self._run_dir / "logs" / f"{name}.log",
+            ready=_http_ready(f"http://127.0.0.1:{http}/readyz"),
+            addresses={"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}"},
+        )
+
+    def _start_health(self) -> None:
+        central = self._health_spec("health", "central", free_port(), free_port())
+        specs = [central]
+        for host in self._hosts:
+            agent = self._health_spec(
+                f"health-agent-{host}", "agent", free_port(), free_port(),
+                "--central", central.addresses["grpc"], "--node", host,
+            )  # fmt: skip
+            specs.append(agent)
+            self.health_agents[host] = agent.addresses["grpc"]
+        self._health_processes = [ManagedProcess(spec) for spec in specs]
+        for process in self._health_processes:
+            process.start()
+        for process in self._health_processes:
+            _wait(process.spec.ready, self._health_processes, process.name)
+        self.health_url = central.addresses["http"]
+
+    # ---- everything ---------------------------------------------------------------------------
+
     def stop(self) -> None:
         for sidecar in self.sidecars.values():
             sidecar.stop()
+        _stop(self._health_processes)
         self.stop_quorum()
+        if self._redis is not None:
+            self._redis.stop()
         # Snapshots live in RAM; whatever a killed rank left behind goes with the stack.
         shutil.rmtree(self._shm, ignore_errors=True)
+
+
+def _ms(value: timedelta) -> int:
+    return int(value.total_seconds() * 1000)

@@ -57,6 +57,7 @@ from deploy.processes import (
     RestartPolicy,
     ServiceSpec,
     Supervisor,
+    free_port,
 )
 from services.common.tokens import load_token
 
@@ -175,11 +176,8 @@ def _wildcard(host: str) -> bool:
 def free_ports(host: str, count: int, taken: set[int]) -> list[int]:
     """`count` distinct ports the kernel considers free on `host` now, none in `taken`."""
     found: list[int] = []
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     while len(found) < count:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
+        port = free_port(host)
         if port not in taken and port not in found:
             found.append(port)
     return found

@@ -25,7 +25,9 @@ class ManagerConfig:
     total_replicas: int
     """How many replicas (data shards) the job was configured with; a replica may be down."""
     quorum_address: str
-    """`host:port` of the quorum service (only the replica leader, rank 0, talks to it)."""
+    """`host:port` of the quorum service, or every instance of a leader/standby setup,
+    comma-separated (clients fail over among them). Only the replica leader, rank 0, asks for
+    quorums."""
     checkpoint_url: str
     """Base URL of this host's checkpoint sidecar (publishes snapshots, writes checkpoints)."""
     token: str
@@ -55,6 +57,17 @@ class ManagerConfig:
     params). Needs exactly one backward per step between `start_step` and `finish_step`; the
     first gradient hook of the step waits for the step's quorum."""
 
+    control_plane_grace: timedelta | None = timedelta(milliseconds=300)
+    """How long the leader waits for an unreachable quorum service before training the step on
+    the previous quorum (only in the steady state; see `Manager._fallback_plan` for why that is
+    safe). None: always wait for the service."""
+    health_address: str | None = None
+    """`host:port` of this host's health node agent (or the central health service); None sends
+    no telemetry. Telemetry never slows or breaks training."""
+    fingerprint_every_steps: int = 10
+    """Rank 0 sends a digest of the replica's state every K committed steps (0: never), so the
+    health service can name a replica that silently diverged."""
+
     def __post_init__(self) -> None:
         for name in ("job_id", "replica_id"):
             value = getattr(self, name)
@@ -70,6 +83,10 @@ class ManagerConfig:
             raise ValueError("max_failed_commits must be >= 1")
         if self.durable_every_steps < 0:
             raise ValueError("durable_every_steps must be >= 0")
+        if self.fingerprint_every_steps < 0:
+            raise ValueError("fingerprint_every_steps must be >= 0")
+        if self.control_plane_grace is not None and self.control_plane_grace < timedelta(0):
+            raise ValueError("control_plane_grace must not be negative")
         if self.bucket_bytes < 1024:
             raise ValueError("bucket_bytes must be >= 1024")
         for name in ("quorum_timeout", "heartbeat_interval", "fetch_timeout", "exchange_timeout"):

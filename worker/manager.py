@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import threading
@@ -25,6 +26,7 @@ import torch
 
 from services.quorum.client import (
     QuorumClient,
+    QuorumUnavailableError,
     RankEndpoint,
     StaleIncarnationError,
     WatchStream,
@@ -44,6 +46,7 @@ from worker.plan import (
 )
 from worker.replica_group import ReplicaGroup
 from worker.state import fingerprint, load_state_tensors, state_tensors
+from worker.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class StepOutcome:
     """Exchanges tried (1 unless a peer failed mid-exchange)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of the phases: quorum, exchange, fetch, commit."""
+    without_control_plane: bool = False
+    """Committed on the previous quorum while the quorum service was unreachable."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,6 +159,16 @@ class Manager:
         self._incarnation = 0
         self._last_contact = 0.0
         """Leader: monotonic time a quorum request last went out or was answered."""
+        self._control_plane_down = False
+        """Leader: the last step went on without the quorum service (see `_fallback_plan`)."""
+        self._step_started: float | None = None
+        self._telemetry = StepTelemetry(
+            config.health_address,
+            config.token,
+            replica_id=config.replica_id,
+            rank=group.rank,
+            fingerprint_every_steps=config.fingerprint_every_steps,
+        )
         if group.is_leader:
             self._incarnation = self._quorum.join(config.replica_id, self._endpoints)
         self._restore_durable()
@@ -192,14 +207,18 @@ class Manager:
 
     def start_step(self) -> None:
         """Starts the quorum request (leader only) so it overlaps the forward pass."""
+        if self._step_started is None:
+            self._step_started = time.time()
         if self.group.is_leader and self._pending is None:
             self._pending = self._executor.submit(self._request_quorum, False)
 
-    def finish_step(self) -> StepOutcome:
+    def finish_step(self, *, tokens: int = 0, sum_seq_len_sq: int = 0) -> StepOutcome:
         """Exchanges the gradient, votes, and applies the optimizer step once the replica agrees.
 
-        Retries the exchange on new quorums until it commits; raises `TooManyFailedCommits`
-        after `max_failed_commits` failures in a row, and `NoQuorumError` without a quorum."""
+        `tokens` and `sum_seq_len_sq` (Σ l² over this rank's sequences of the step) describe the
+        step's work for the health service's fail-slow predictor. Retries the exchange on new
+        quorums until it commits; raises `TooManyFailedCommits` after `max_failed_commits`
+        failures in a row, and `NoQuorumError` without a quorum."""
         began = time.monotonic()
         seconds = {"quorum": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
         overlap, self._overlap = self._overlap, None
@@ -225,6 +244,7 @@ class Manager:
                 outcome = self._attempt(plan, attempt, seconds)
             if outcome is not None:
                 seconds["total"] = time.monotonic() - began
+                self._report_step(outcome.step, seconds, tokens, sum_seq_len_sq)
                 if self._on_commit is not None:
                     self._on_commit(outcome)
                 return outcome
@@ -263,8 +283,11 @@ class Manager:
             self._peer_state.publish(self.step, self._snapshot(), self._meta())
             self._faults.hit("serve", self.step)
         t0 = time.monotonic()
-        timeout = self.config.exchange_timeout.total_seconds()
+        timeout = self._exchange_timeout(plan)
         error: BaseException | None
+        # Numbered by the step the healthy members train, the same on every member of the ring
+        # (a recovering member's own step is behind it).
+        self._telemetry.exchange_entered(plan.quorum_id, plan.max_step)
         if overlap is not None:
             error = self._exchange.wait(timeout)
         else:
@@ -276,8 +299,13 @@ class Manager:
                 starting=lambda: self._faults.hit("exchange", self.step),
             )
         seconds["exchange"] += time.monotonic() - t0
+        self._telemetry.exchange_left()
         fetched = None
-        if fetch is not None:
+        if fetch is not None and error is not None:
+            # This attempt fails anyway: do not wait out the fetch (its sources may be on
+            # another quorum and never publish); it ends by itself within fetch_timeout.
+            fetch.cancel()
+        elif fetch is not None:
             t0 = time.monotonic()
             try:
                 fetched = fetch.result()
@@ -388,6 +416,7 @@ class Manager:
             trained=trained,
             attempts=attempt,
             seconds=seconds,
+            without_control_plane=plan.fallback,
         )
         return outcome
 
@@ -395,6 +424,25 @@ class Manager:
         """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
         self._faults.delay("slow_fetch", self.step)
         return self._peer_state.fetch_peer(plan.sources, plan.max_step)
+
+    def _report_step(
+        self, step: int, seconds: dict[str, float], tokens: int, sum_seq_len_sq: int
+    ) -> None:
+        started, self._step_started = self._step_started, None
+        if not self._telemetry.enabled or started is None:
+            return
+        self._telemetry.step(
+            step,
+            started_at=started,
+            committed=True,
+            # Waiting on others (the quorum, the ring, a catch-up fetch) is not this replica's
+            # own speed: the fail-slow detector subtracts it.
+            exchange_s=seconds["quorum"] + seconds["exchange"] + seconds["fetch"],
+            tokens=tokens,
+            sum_seq_len_sq=sum_seq_len_sq,
+        )
+        if self._telemetry.wants_fingerprint(step):
+            self._telemetry.fingerprint(step, fingerprint(self._snapshot()))
 
     # ---- quorum --------------------------------------------------------------------------
 
@@ -405,6 +453,7 @@ class Manager:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stop.is_set():
                 return encode_failure("no quorum within quorum_timeout")
+            fallback = None if commit_failed else self._fallback_plan()
             try:
                 self._last_contact = time.monotonic()
                 quorum = self._quorum.quorum(
@@ -413,9 +462,22 @@ class Manager:
                     self.step,
                     commit_failed=commit_failed,
                     timeout=_seconds(remaining),
+                    unavailable_budget=None if fallback is None else self._grace(),
                 )
                 self._last_contact = time.monotonic()
+                self._control_plane_down = False
                 return encode_quorum(quorum, self.config.replica_id)
+            except QuorumUnavailableError as exc:
+                self._last_contact = 0.0  # nothing reached the service: heartbeats resume
+                if fallback is None:
+                    return encode_failure(f"quorum request failed: {exc}")
+                if not self._control_plane_down:
+                    log.warning(
+                        "quorum service unreachable; training on the previous quorum",
+                        extra=self._context(error=str(exc)),
+                    )
+                self._control_plane_down = True
+                return fallback
             except StaleIncarnationError:
                 # Evicted, or the service restarted and forgot us: our state is still valid at
                 # our step, so join again as a new incarnation.
@@ -426,6 +488,55 @@ class Manager:
                 continue
             except Exception as exc:  # the broadcast must happen, or the other ranks hang
                 return encode_failure(f"quorum request failed: {exc}")
+
+    def _fallback_plan(self) -> bytes | None:
+        """Leader: the plan for this step without the quorum service, if that is safe.
+
+        Only in the steady state: the previous step committed on a quorum whose members were
+        all healthy (nobody recovering or serving), and this replica is at its next step. Then
+        every member that also cannot reach the service takes the same plan: the same ring
+        epoch, the same members, the step after. A commit needs every member of that ring to
+        finish the same exchange, so it happens only if all of them went on together, which
+        keeps the replicas identical (I1). A member that died, or one that did reach the
+        service and got a new epoch, breaks the ring: the exchange fails, nothing commits, and
+        the replica waits for the service as before. A minority cut off from the others can
+        therefore never commit on its own (I6), and no new epoch is ever made up locally
+        (I3): membership changes still need the service."""
+        plan, sent = self._plan, self._sent_plan
+        if self.config.control_plane_grace is None or plan is None or sent is None:
+            return None
+        # Members that reached the service meanwhile wait there for the ones that went on
+        # without it: such a mixed step cannot commit, so its exchange fails fast (see
+        # `_exchange_timeout`) and the replica asks the service like after any failed step.
+        steady = (
+            len(plan.healthy) == len(plan.ring_replicas)
+            and not plan.sources
+            and not plan.serve
+            and self.step == plan.max_step + 1
+        )
+        if not steady:
+            return None
+        body = json.loads(sent)
+        body["max_step"] = self.step
+        body["fallback"] = True
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    def _exchange_timeout(self, plan: StepPlan) -> float:
+        """The configured bound, or on a step trained without the quorum service twice the
+        grace plus half a second: every member that also went on without the service decided
+        within about one grace of the others, so a longer wait means some member is waiting on
+        the service instead (or is dead) and this step cannot commit."""
+        grace = self.config.control_plane_grace
+        if plan.fallback and grace is not None:
+            return 2 * grace.total_seconds() + 0.5
+        return self.config.exchange_timeout.total_seconds()
+
+    def _grace(self) -> timedelta:
+        """How long to wait for an unreachable quorum service: the configured grace, and after
+        one step went on without it, only one try of each instance (no extra wait per step)."""
+        grace = self.config.control_plane_grace
+        assert grace is not None
+        return timedelta(0) if self._control_plane_down else grace
 
     def _receive_plan(self) -> StepPlan:
         """The leader's quorum on every rank. In the steady state (only `max_step` moved on)
@@ -567,6 +678,7 @@ class Manager:
                 log.debug("leave failed: %s", exc, extra=self._context())
         self._ring.close()
         self._quorum.close()
+        self._telemetry.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -42,6 +42,9 @@ class StepPlan:
     """For a recovering replica: where this rank fetches state, in preference order."""
     serve: bool
     """Whether this replica is a source for some recovering replica (publish a snapshot)."""
+    fallback: bool = False
+    """The leader could not reach the quorum service and reused the previous quorum for this
+    step (see `Manager._fallback_plan`); its exchange gets a short timeout."""
 
     @property
     def num_healthy(self) -> int:
@@ -128,6 +131,7 @@ def _plan(raw: dict[str, Any], *, replica_id: str, rank: int) -> StepPlan:
         healthy=tuple(str(r) for r in raw["healthy"]),
         sources=tuple(Source(replica_id=str(r), url=urls[str(r)]) for r in mine),
         serve=bool(raw["serve"]),
+        fallback=raw.get("fallback") is True,
     )
     if plan.max_step < 0 or plan.quorum_id < 0 or replica_id not in ring_replicas:
         raise ValueError("a step plan must include this replica and carry non-negative ids")

@@ -604,14 +604,20 @@ def _survivor_stall(log: RunLog, inject: InjectEvent, until: float, median: floa
     return None if worst is None else max(0.0, worst - median)
 
 
+_CONTROL_PLANE_WINDOW_S = 10.0
+
+
 def _control_plane_failure(
     log: RunLog, inject: InjectEvent, median: float, t0: float
 ) -> dict[str, Any]:
-    """A restart of the quorum service: no replica is evicted; what matters is how long the
-    replicas stalled and when the service formed a quorum again."""
-    back = next((q for q in log.of_type(QuorumEvent) if q.t > inject.t), None)
-    until = back.t if back else inject.t
+    """A restart of the quorum service (or its leader's death, with a standby): no replica is
+    evicted; what matters is how long the replicas stalled and when training went on. A standby
+    that takes over with the same membership forms no new quorum id, so the window is bounded by
+    the next injection (at most `_CONTROL_PLANE_WINDOW_S`) rather than by a quorum event."""
+    later = [e.t for e in log.of_type(InjectEvent) if e.t > inject.t]
+    until = min([inject.t + _CONTROL_PLANE_WINDOW_S, *later])
     stall = _survivor_stall(log, inject, until, median)
+    back = next((c for c in log.commits() if c.t > inject.t + (stall or 0.0)), None)
     return {
         "t": round(inject.t - t0, 3),
         "replica": None,

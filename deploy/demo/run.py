@@ -21,6 +21,7 @@ from typing import Any
 from deploy.demo.eventlog import EventLog
 from deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
 from deploy.stack import LocalStack
+from services.health.client_http import HealthClient
 from services.quorum.client import QuorumClient
 from worker.faults import parse_faults
 
@@ -72,6 +73,12 @@ class DemoConfig:
     run at the first one's to resume it (a full restart)."""
     faults: str = ""
     """Planned rank deaths, `replica:rank:step:point,...` (see `worker.faults`), each once."""
+    redis: bool = False
+    """Run the quorum service as a leader and a standby on a local redis-server (then
+    `kill_mode="quorum"` SIGKILLs the leader and the standby takes over with the membership)."""
+    health: bool = True
+    """Run the health service (central + one node agent per host) and send it the ranks'
+    telemetry; its incidents go into the report."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
@@ -170,6 +177,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         heartbeat_timeout=config.heartbeat_timeout,
         join_timeout=config.join_timeout,
         min_replicas=config.min_replicas or config.replicas // 2 + 1,
+        redis=config.redis,
+        health=config.health,
     ) as stack:
         command = ReplicaCommand(
             run_dir=run_dir,
@@ -178,6 +187,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             quorum_address=stack.quorum_address,
             checkpoint_urls={r: stack.sidecars[r].url for r in replica_ids},
             shm_dirs={r: str(stack.sidecars[r].shm_dir) for r in replica_ids},
+            health_agents=stack.health_agents,
             token_file=token_file,
             env={"FTHSDP_FAULTS": config.faults, "FTHSDP_FAULTS_DIR": str(run_dir / "faults")},
             extra_args=(
@@ -215,6 +225,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         )
         if config.live:
             viewer.start()
+        incidents: list[dict[str, Any]] = []
         try:
             supervisor.start_all()
             driver = _Driver(config, stack, supervisor, quorum)
@@ -225,10 +236,25 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             events.write("end")
             stop.set()
             events.close()
+            incidents = _health_incidents(stack, token_file)
     report = build_report(run_dir)
+    report["incidents"] = incidents
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     write_plot(report, run_dir / "report.png")
     return report
+
+
+def _health_incidents(stack: LocalStack, token_file: Path) -> list[dict[str, Any]]:
+    """What the health service detected during the run (oldest first); empty without it."""
+    if not stack.health_url:
+        return []
+    try:
+        with HealthClient(stack.health_url, token_file.read_text().strip()) as client:
+            found = client.incidents(limit=1000)
+    except Exception as exc:  # the report stands without them
+        log.warning("could not read the health service's incidents: %s", exc)
+        return []
+    return list(reversed(found))
 
 
 class _Driver:

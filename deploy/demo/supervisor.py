@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.demo.eventlog import EventLog
+from deploy.processes import free_port
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +29,6 @@ durable checkpoint on any failure (the synchronous-training baseline)."""
 KILL_MODES = ("process", "replica", "hang", "quorum")
 """process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a whole replica;
 quorum: restart the (in-memory) quorum service."""
-
-
-def free_port() -> int:
-    """A port the kernel considers free now (for a replica's intra-group rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass(slots=True)
@@ -74,6 +66,8 @@ class ReplicaCommand:
     """Replica id → that sidecar's shared-memory directory."""
     token_file: Path
     """Bearer token file handed to every rank."""
+    health_agents: Mapping[str, str] = field(default_factory=dict)
+    """Replica id → the health node agent of its host (none: no telemetry)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for every rank (fault plans)."""
     extra_args: tuple[str, ...] = ()
@@ -108,8 +102,13 @@ class ReplicaCommand:
             str(self.token_file),
             "--stop-file",
             str(self.run_dir / "stop.json"),
+            *self._health_args(replica),
             *self.extra_args,
         ]
+
+    def _health_args(self, replica: Replica) -> list[str]:
+        agent = self.health_agents.get(replica.replica_id)
+        return ["--health", agent] if agent else []
 
 
 class Supervisor:

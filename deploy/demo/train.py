@@ -25,6 +25,7 @@ from services.common.tokens import load_token
 from worker.config import ManagerConfig
 from worker.data import ExactlyOnceLoader, ShardSpec
 from worker.faults import FaultPlan
+from worker.ftar import FtarConfig
 from worker.manager import Manager, StepOutcome
 from worker.replica_group import ReplicaGroup
 
@@ -51,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else None
     )
     p.add_argument("--init-method", default=default_init, help="rendezvous of the replica's ranks")
-    p.add_argument("--quorum", required=True, help="quorum service host:port")
+    p.add_argument(
+        "--quorum", required=True, help="quorum service host:port[,host:port...] (all instances)"
+    )
     p.add_argument("--checkpoint-url", required=True, help="this host's checkpoint sidecar URL")
     p.add_argument(
         "--shm-dir", default="/dev/shm", help="shared-memory dir of the checkpoint sidecar"
@@ -76,6 +79,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overlap-backward",
         action="store_true",
         help="exchange gradient buckets across replicas while backward still runs",
+    )
+    p.add_argument(
+        "--ftar-host",
+        default="127.0.0.1",
+        help="host name or IP this rank's FTAR listener binds and advertises to its peers "
+        "(default 127.0.0.1; in containers and on clusters: the pod/host address)",
+    )
+    p.add_argument(
+        "--health", default=None, help="health node agent host:port for telemetry (default: none)"
+    )
+    p.add_argument(
+        "--control-plane-grace-ms",
+        type=int,
+        default=300,
+        help="train on the previous quorum after the quorum service is unreachable this long "
+        "(steady state only; -1: always wait)",
     )
     return p.parse_args(argv)
 
@@ -141,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens=0 if outcome.recovered else spec.samples_per_step * dataset.block_size,
                 attempts=outcome.attempts,
                 seconds=outcome.seconds,
+                without_control_plane=outcome.without_control_plane,
             )
 
     spec = ShardSpec(
@@ -162,7 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             shm_dir=args.shm_dir,
             durable_every_steps=args.durable_every_steps,
             overlap_backward=args.overlap_backward,
+            health_address=args.health,
+            control_plane_grace=(
+                None
+                if args.control_plane_grace_ms < 0
+                else timedelta(milliseconds=args.control_plane_grace_ms)
+            ),
         ),
+        ftar_config=FtarConfig(bind_host=args.ftar_host),
         model=model,
         optimizer=optimizer,
         group=group,
@@ -205,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         assert loss is not None
         loss.backward()
         last_loss = float(loss.item())
-        manager.finish_step()
+        # Every sample is one full block: N = samples x block, Σ l² = samples x block².
+        samples = args.micro_batch
+        manager.finish_step(
+            tokens=samples * dataset.block_size, sum_seq_len_sq=samples * dataset.block_size**2
+        )
     final_fingerprint = manager.fingerprint()  # a collective over the replica's ranks
     if events is not None:
         events.write(

@@ -279,8 +279,9 @@ class QuorumClient:
         unavailable_budget: timedelta | None = None,
     ) -> Quorum:
         """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
-        `timeout`. With `unavailable_budget`, QuorumUnavailableError as soon as no instance of
-        the service has answered for that long (the caller may go on without it)."""
+        `timeout`. With `unavailable_budget`, QuorumUnavailableError as soon as every instance
+        of the service refused and none has answered for that long (the caller may go on
+        without it; a zero budget tries each instance once)."""
         deadline = time.monotonic() + _seconds(timeout)
         attempt = _new_attempt_id()
         known = self._endpoints.known_quorum_id
@@ -390,13 +391,12 @@ class QuorumClient:
             now = time.monotonic()
             unavailable_since = now if unavailable_since is None else unavailable_since
             give_up = budget_end
-            if unavailable_budget is not None:
+            if unavailable_budget is not None and refusals >= len(self._stubs):
+                # every instance refused at least once: the budget may end the call
                 give_up = min(give_up, unavailable_since + unavailable_budget)
             if now >= give_up:
                 raise last from None
             if refusals % len(self._stubs) == 0 and not sleep_before_retry(delays, give_up):
-                raise last from None
-            if time.monotonic() >= budget_end:
                 raise last from None
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from deploy.demo.eventlog import EventLog
 from deploy.demo.report import CommitEvent, FinalEvent, RunLog, build_report
+from deploy.processes import free_port
 from deploy.stack import LocalStack
 
 pytestmark = [
@@ -94,13 +94,6 @@ class TorchrunJob:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _children(pid: int) -> list[int]:

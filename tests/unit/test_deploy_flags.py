@@ -36,10 +36,8 @@ IMAGES = {
 }
 # Flags the deployment files use ahead of the code, each tracked by the issue that adds it. The
 # mark is strict: once the flag lands, the test fails until its line here is removed.
-PENDING = {
-    ("deploy.demo.train", "--ftar-host"): "FTAR must bind/advertise a reachable address across "
-    "containers and hosts; train.py binds 127.0.0.1 today",
-}
+PENDING: dict[tuple[str, str], str] = {}
+"""(program, flag) pairs the deployment files use before the program has them (strict xfail)."""
 
 
 @functools.cache

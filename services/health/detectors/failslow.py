@@ -5,7 +5,8 @@ takes longer than the same tokens packed from many short ones. A change point on
 therefore fires on workload changes. The predictor T ≈ αN + βΣl² + γ, fitted by least squares
 on the first `warmup` committed steps of each replica, explains those; the detector runs a
 one-sided CUSUM on the relative residual (measured / predicted − 1) and, at a change point,
-raises an incident only when the median residual of the last `persist` steps exceeds the margin.
+raises an incident only when the median residual of the last `persist` steps exceeds the margin
+above the other replicas' (a slowdown they all share, such as a loaded machine, is nobody's).
 An unconfirmed change point is dropped and the CUSUM restarts (ResiHP removes such points).
 
 γ (the intercept) is there because a step has work that no token count explains: the optimizer
@@ -65,6 +66,18 @@ def predict(coef: Coefficients, tokens: int, sum_seq_len_sq: int) -> float:
     return coef[0] * tokens + coef[1] * sum_seq_len_sq + coef[2]
 
 
+def residual_noise(coef: Coefficients, samples: list[tuple[int, int, float]]) -> float:
+    """Standard deviation of measured / predicted - 1 over `samples`: how noisy a healthy
+    replica's step time is around the fit (a loaded machine's is large)."""
+    ratios = [t / p - 1.0 for n, sq, t in samples if (p := predict(coef, n, sq)) > 0]
+    return float(np.std(ratios)) if len(ratios) > 1 else 0.0
+
+
+def _refit(series: _Series) -> None:
+    series.coef = fit(series.warm)
+    series.noise = residual_noise(series.coef, series.warm)
+
+
 @dataclass(slots=True)
 class _Step:
     own_s: float = 0.0
@@ -83,6 +96,8 @@ class _Series:
     done: int = -1
     warm: list[tuple[int, int, float]] = field(default_factory=list)
     coef: Coefficients | None = None
+    noise: float = 0.0
+    """Standard deviation of the relative residual over the fit's samples."""
     baseline: deque[float] = field(default_factory=deque)
     cusum: float = 0.0
     residuals: deque[float] = field(default_factory=deque)
@@ -175,14 +190,14 @@ class FailSlowDetector:
             series.warm.append((step.tokens, step.sq, step.own_s))
             series.baseline.append(step.own_s)
             if len(series.warm) == cfg.fail_slow_warmup_steps:
-                series.coef = fit(series.warm)
+                _refit(series)
             return
         if cfg.fail_slow_use_predictor:
             if _outside(series.warm, step.sq):
                 # A workload the fit never saw (a new data phase): extrapolating β would turn
                 # it into a false alarm, so learn it instead of judging it.
                 series.warm.append((step.tokens, step.sq, step.own_s))
-                series.coef = fit(series.warm)
+                _refit(series)
                 return
             self._judge_predicted(series, number, step)
             self._learn(series, step)
@@ -203,13 +218,38 @@ class FailSlowDetector:
             if full and level < cfg.fail_slow_margin:
                 series.slow = False  # recovered: a relapse is a new incident
             return
-        series.cusum = max(0.0, series.cusum + residual - cfg.fail_slow_cusum_slack)
-        if series.cusum <= cfg.fail_slow_cusum_threshold:
+        # The classic CUSUM settings in units of the healthy noise (slack 0.5 sigma, threshold
+        # 5 sigma), never below the configured ones: on a noisy machine a few slow steps are
+        # not a change point.
+        slack = max(cfg.fail_slow_cusum_slack, 0.5 * series.noise)
+        threshold = max(cfg.fail_slow_cusum_threshold, 5.0 * series.noise)
+        series.cusum = max(0.0, series.cusum + residual - slack)
+        if series.cusum <= threshold:
             return
         series.cusum = 0.0  # confirmed or benign, the next change point starts afresh
-        if full and level > cfg.fail_slow_margin:
+        peers = self._peer_level(series)
+        # The median of `persist` noisy residuals wanders by about 1.25 sigma / sqrt(persist):
+        # two of those on top of the margin keep noise from passing for a slowdown.
+        wander = 2.5 * series.noise / len(series.residuals) ** 0.5
+        if full and level - peers > cfg.fail_slow_margin + wander:
             series.slow = True
-            series.alarms.append(self._evidence(series, number, step, predicted, level))
+            evidence = self._evidence(series, number, step, predicted, level)
+            evidence["peer_median_residual"] = peers
+            series.alarms.append(evidence)
+
+    def _peer_level(self, series: _Series) -> float:
+        """The median residual of the other replicas (0 with fewer than two of them): a
+        slowdown every replica shares (the machine, the network, the control plane) is not one
+        replica's fault, so a replica is fail-slow only by the margin above its peers."""
+        cfg = self._config
+        levels = [
+            median(other.residuals)
+            for other in self._series.values()
+            if other is not series
+            and not other.slow
+            and len(other.residuals) == cfg.fail_slow_persist_steps
+        ]
+        return median(levels) if len(levels) >= 2 else 0.0
 
     def _learn(self, series: _Series, step: _Step) -> None:
         """Keep refining the fit with steps judged healthy (well inside the margin): warm-up
@@ -222,7 +262,7 @@ class FailSlowDetector:
         if len(series.warm) > _MAX_FIT_SAMPLES:
             del series.warm[: len(series.warm) - _MAX_FIT_SAMPLES]
         if len(series.warm) % max(1, cfg.fail_slow_warmup_steps // 2) == 0:
-            series.coef = fit(series.warm)
+            _refit(series)
 
     def _judge_raw(self, series: _Series, number: int, step: _Step) -> None:
         cfg = self._config
@@ -260,6 +300,7 @@ class FailSlowDetector:
             "beta": coef[1],
             "gamma": coef[2],
             "margin": cfg.fail_slow_margin,
+            "noise": series.noise,
             "use_predictor": cfg.fail_slow_use_predictor,
             "policy": cfg.fail_slow_policy,
         }

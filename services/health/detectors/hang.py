@@ -86,13 +86,20 @@ def find_hangs(index: CollectiveIndex, now: float) -> list[Incident]:
     graph = _Graph(index, now)
     culprits: dict[tuple[RankId | None, Key], _Culprit] = {}
     for inst in list(index.instances()):
-        if inst.first_start > graph.horizon:
+        if inst.first_start > graph.horizon or not _someone_waits(inst):
             continue
         for rank, leaf_key, reason in graph.resolve(inst):
             leaf = index.open[leaf_key[0]][leaf_key[1]]
             culprit = culprits.setdefault((rank, leaf_key), _Culprit(rank, leaf, reason))
             culprit.blocked.add((inst.group, inst.seq))
     return [_incident(c, index, now) for c in _best_per_rank(culprits.values())]
+
+
+def _someone_waits(inst: Instance) -> bool:
+    """Whether a rank is inside the collective now. One that every entrant has left (they
+    finished, or gave up and went on to a new ring after a failure) blocks nobody, whoever
+    never entered it."""
+    return any(rank not in inst.left for rank in inst.entered)
 
 
 def _best_per_rank(culprits: Iterable[_Culprit]) -> list[_Culprit]:

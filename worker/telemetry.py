@@ -1,0 +1,100 @@
+"""What one rank tells the health service about its steps, as the Manager sees them.
+
+A thin layer over `services.health.client.TelemetryClient` (asynchronous, batched, never raises,
+never blocks training beyond a queue put): per step its timing and workload (tokens N and
+Σ seq_len², the fail-slow predictor's inputs), the cross-replica exchange as a collective record
+(entered, then left: a rank that never leaves it is what the hang detector looks for), and every
+`fingerprint_every_steps` a digest of the replica's state for silent-corruption detection.
+Without a health address every call is a no-op."""
+
+from __future__ import annotations
+
+import time
+
+from services.common.tokens import Token
+from services.health.client import TelemetryClient
+
+
+class StepTelemetry:
+    """One rank's reporter (see the module doc)."""
+
+    def __init__(
+        self,
+        address: str | None,
+        token: str | Token,
+        *,
+        replica_id: str,
+        rank: int,
+        fingerprint_every_steps: int,
+    ) -> None:
+        self._client = (
+            TelemetryClient(address, token, replica_id=replica_id, rank=rank) if address else None
+        )
+        self._rank = rank
+        self._every = fingerprint_every_steps
+        self._exchange: tuple[str, int, float] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is sent."""
+        return self._client is not None
+
+    def exchange_entered(self, quorum_id: int, step: int) -> None:
+        """This rank entered the cross-replica exchange of `step` on ring `quorum_id`."""
+        if self._client is None:
+            return
+        group = f"ftar:{quorum_id}:{self._rank}"
+        started = time.time()
+        self._exchange = (group, step, started)
+        self._client.collective(group, step, "allreduce", started_at=started)
+
+    def exchange_left(self) -> None:
+        """The exchange entered last returned (successfully or not)."""
+        if self._client is None or self._exchange is None:
+            return
+        group, step, started = self._exchange
+        self._exchange = None
+        self._client.collective(group, step, "allreduce", started_at=started, ended_at=time.time())
+
+    def step(
+        self,
+        step: int,
+        *,
+        started_at: float,
+        committed: bool,
+        exchange_s: float,
+        tokens: int,
+        sum_seq_len_sq: int,
+    ) -> None:
+        """One finished step (wall times from `time.time()`)."""
+        if self._client is None:
+            return
+        duration = max(0.0, time.time() - started_at)
+        self._client.step(
+            step,
+            started_at=started_at,
+            duration_s=duration,
+            tokens=tokens,
+            sum_seq_len_sq=sum_seq_len_sq,
+            committed=committed,
+            exchange_wait_s=min(exchange_s, duration),
+        )
+
+    def wants_fingerprint(self, step: int) -> bool:
+        """Whether `step` is one whose state digest should be sent (rank 0 of each replica)."""
+        return (
+            self._client is not None
+            and self._rank == 0
+            and self._every > 0
+            and (step % self._every == 0)
+        )
+
+    def fingerprint(self, step: int, digest: str) -> None:
+        """The replica's state digest after committing `step`."""
+        if self._client is not None:
+            self._client.fingerprint(step, digest)
+
+    def close(self) -> None:
+        """Flushes briefly and stops (a clean exit: no incident)."""
+        if self._client is not None:
+            self._client.close()
