@@ -290,6 +290,9 @@ class LocalStack:
             agent = self._health_spec(
                 f"health-agent-{host}", "agent", free_port(), free_port(),
                 "--central", central.addresses["grpc"], "--node", host,
+                # As patient as the quorum service: on a loaded machine a rank's telemetry
+                # thread can be starved for half a second without the rank being dead.
+                "--heartbeat-timeout-ms", str(_ms(self._quorum_config.heartbeat_timeout)),
             )  # fmt: skip
             specs.append(agent)
             self.health_agents[host] = agent.addresses["grpc"]

@@ -180,6 +180,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         redis=config.redis,
         health=config.health,
     ) as stack:
+        if stack.health_url:
+            # The token stays in its file: printing it would put it in terminal scrollback.
+            print(
+                f"health dashboard: {stack.health_url}/dashboard#token=<contents of {token_file}>",
+                flush=True,
+            )
         command = ReplicaCommand(
             run_dir=run_dir,
             world_size=config.ranks,
