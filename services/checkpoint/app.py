@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,7 +23,6 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.checkpoint.client_errors import (
@@ -56,6 +54,7 @@ from services.checkpoint.core import PositionRecord, check_position, parse_range
 from services.checkpoint.durable import DurableStore, DurableWriter
 from services.checkpoint.snapshots import SnapshotRegistry
 from services.checkpoint.store import PositionStore
+from services.common.http_errors import error_response, install_error_handlers, status_in
 from services.common.tokens import Token
 
 log = logging.getLogger(__name__)
@@ -78,15 +77,8 @@ ERROR_STATUS: dict[type[CheckpointError], int] = {
 
 
 def status_of(error: CheckpointError) -> int:
-    for cls in type(error).__mro__:
-        if cls in ERROR_STATUS:
-            return ERROR_STATUS[cls]
-    return 500
-
-
-def error_response(status: int, code: str, detail: str) -> JSONResponse:
-    headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+    """The HTTP status of a domain error (see `ERROR_STATUS`)."""
+    return status_in(ERROR_STATUS, error)
 
 
 class Metrics:
@@ -262,41 +254,13 @@ def create_app(services: Services) -> FastAPI:
         version="1",
         description="Serves peer snapshots, writes durable checkpoints, records data positions.",
     )
-    _install_error_handlers(app)
+    install_error_handlers(app, CheckpointError, ERROR_STATUS)
     _health_routes(app, services)
     _snapshot_routes(app, services)
     _checkpoint_routes(app, services)
     _position_routes(app, services)
     app.add_middleware(GuardMiddleware, services=services)
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def domain(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, CheckpointError)
-        return error_response(status_of(exc), exc.code, str(exc))
-
-    async def invalid(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        parts = [
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
-            for e in exc.errors()[:5]
-        ]
-        return error_response(400, "invalid_argument", "; ".join(parts))
-
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail))
-
-    async def unknown(_: Request, exc: Exception) -> Response:
-        log.error("unhandled error: %s", type(exc).__name__, exc_info=exc)
-        return error_response(500, "internal", "internal error")
-
-    app.add_exception_handler(CheckpointError, domain)
-    app.add_exception_handler(RequestValidationError, invalid)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unknown)
 
 
 def _health_routes(app: FastAPI, services: Services) -> None:

@@ -11,13 +11,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from services.common.signals import wait_for_shutdown_signal
 from services.common.tokens import Token, load_token
 from services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
 from services.health.runner import HealthNode
@@ -127,24 +127,8 @@ async def serve(config: HealthConfig, token: Token, *, out: Any = None) -> None:
     node = HealthNode(config, token)
     await node.start()
     print(_banner(node), file=out or sys.stdout, flush=True)
-    stop = asyncio.Event()
-    interrupts = 0
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        nonlocal interrupts
-        if signum == signal.SIGINT:
-            interrupts += 1
-            if interrupts > 1:
-                log.warning("second interrupt: exiting without draining")
-                os._exit(130)
-        log.info("signal %s: draining", signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
     finally:
         await node.stop()
 

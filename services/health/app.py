@@ -26,13 +26,12 @@ from typing import Annotated, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.http_errors import error_response, install_error_handlers, status_in
 from services.common.tokens import Token
 from services.health.agent import NodeAgent
 from services.health.client_codec import incident_to_json
@@ -69,15 +68,8 @@ ERROR_STATUS: dict[type[HealthError], int] = {
 
 
 def status_of(error: HealthError) -> int:
-    for cls in type(error).__mro__:
-        if cls in ERROR_STATUS:
-            return ERROR_STATUS[cls]
-    return 500
-
-
-def error_response(status: int, code: str, detail: str) -> JSONResponse:
-    headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+    """The HTTP status of a domain error (see `ERROR_STATUS`)."""
+    return status_in(ERROR_STATUS, error)
 
 
 @dataclass(slots=True)
@@ -140,34 +132,6 @@ class GuardMiddleware:
         self.context.metrics.requests.labels(method=f"http:{route}", code=str(status)).inc()
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    async def domain(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HealthError)
-        return error_response(status_of(exc), exc.code, str(exc))
-
-    async def invalid(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        parts = [
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
-            for e in exc.errors()[:5]
-        ]
-        return error_response(400, "invalid_argument", "; ".join(parts))
-
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail))
-
-    async def unknown(_: Request, exc: Exception) -> Response:
-        log.error("unhandled error: %s", type(exc).__name__, exc_info=exc)
-        return error_response(500, "internal", "internal error")
-
-    app.add_exception_handler(HealthError, domain)
-    app.add_exception_handler(RequestValidationError, invalid)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unknown)
-
-
 def _probe_routes(app: FastAPI, context: ApiContext) -> None:
     @app.get("/livez", tags=["probes"])
     async def livez() -> dict[str, str]:
@@ -192,7 +156,7 @@ def create_central_app(context: ApiContext) -> FastAPI:
         version="1",
         description="Replicas, incidents with evidence, quorum history, detector settings.",
     )
-    _install_error_handlers(app)
+    install_error_handlers(app, HealthError, ERROR_STATUS)
     _probe_routes(app, context)
     _state_routes(app, context.engine)
     _quorum_routes(app, context.quorum)
@@ -206,7 +170,7 @@ def create_agent_app(context: ApiContext) -> FastAPI:
     agent = context.agent
     assert agent is not None
     app = FastAPI(title="fthsdp health node agent", version="1")
-    _install_error_handlers(app)
+    install_error_handlers(app, HealthError, ERROR_STATUS)
     _probe_routes(app, context)
 
     @app.get("/v1/node", tags=["agent"])

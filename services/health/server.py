@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import health_pb2 as pb
+from services.common.grpc_auth import BearerAuth
 from services.common.tokens import Token
 from services.health.client_codec import ReportBatch, batch_from_pb
 from services.health.client_types import (
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HealthService"].full_name
 ERROR_KIND_KEY = "fthsdp-error"
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 ERROR_TABLE: dict[type[HealthError], grpc.StatusCode] = {
     InvalidReportError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -60,50 +60,6 @@ class IngestSink(Protocol):
 
     async def ingest(self, batch: ReportBatch) -> None:
         """Takes one batch; raises HealthError subclasses for the caller's mistakes."""
-
-
-if TYPE_CHECKING:
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:  # the runtime class is not generic
-    _Interceptor = grpc.aio.ServerInterceptor
-
-
-class _BearerAuth(_Interceptor):
-    """Refuses every RPC without `authorization: Bearer <token>`; health and reflection stay
-    open for probes and tooling."""
-
-    def __init__(self, token: Token, metrics: HealthMetrics) -> None:
-        self._token = token
-        self._metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
-            return handler
-        presented = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value if isinstance(value, str) else value.decode(errors="replace")
-        if self._token.accepts(presented):
-            return handler
-        self._metrics.auth_failures.inc()
-        return grpc.unary_unary_rpc_method_handler(
-            _refuse,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
-async def _refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
-    context.set_trailing_metadata(((ERROR_KIND_KEY, HealthAuthError.code),))
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-    raise AssertionError("abort returned")  # pragma: no cover
 
 
 class _Servicer:
@@ -182,7 +138,13 @@ class IngestServer:
         if self._server is not None:
             raise RuntimeError("IngestServer.start() called twice")
         server = grpc.aio.server(
-            interceptors=[_BearerAuth(self._token, self._metrics)],
+            interceptors=[
+                BearerAuth(
+                    self._token,
+                    on_refused=self._metrics.auth_failures.inc,
+                    trailing=((ERROR_KIND_KEY, HealthAuthError.code),),
+                )
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", 1024 * 1024),

@@ -10,12 +10,12 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from services.common.signals import wait_for_shutdown_signal
 from services.common.tokens import Token, load_token
 from services.quorum.config import QuorumConfig
 from services.quorum.server import SERVICE_NAME, QuorumServer
@@ -103,24 +103,8 @@ async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
     server = QuorumServer(config, token, store=store)
     await server.start()
     print(_banner(server), file=out or sys.stdout, flush=True)
-    stop = asyncio.Event()
-    interrupts = 0
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        nonlocal interrupts
-        if signum == signal.SIGINT:
-            interrupts += 1
-            if interrupts > 1:
-                log.warning("second interrupt: exiting without draining")
-                os._exit(130)
-        log.info("signal %s: draining", signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
     finally:
         await server.stop()
 

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import quorum_pb2 as pb
+from services.common.grpc_auth import BearerAuth
 from services.common.tokens import Token
 from services.quorum import client_codec as codec
 from services.quorum.admin import AdminServer
@@ -46,7 +47,6 @@ from services.quorum.store import QuorumStore
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["QuorumService"].full_name
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _MAX_PENDING_CALLS = 16384
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Join with 4096 ranks x 2 x 256 chars fits many times
 
@@ -73,68 +73,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     return grpc.StatusCode.INTERNAL, "internal", "internal error (see the quorum service log)"
 
 
-if TYPE_CHECKING:
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:  # the runtime class is not generic
-    _Interceptor = grpc.aio.ServerInterceptor
-
-
 def _encode(message: Message | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-class _BearerAuth(_Interceptor):
-    """Refuses every RPC without `authorization: Bearer <token>`, streaming ones included;
-    health and reflection stay open for probes and tooling."""
-
-    def __init__(self, token: Token, metrics: QuorumMetrics) -> None:
-        self._token = token
-        self._metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
-            return handler
-        presented = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value if isinstance(value, str) else value.decode(errors="replace")
-        if self._token.accepts(presented):
-            return handler
-        self._metrics.auth_failures.inc()
-        return _refusal(handler)
-
-
-async def _refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-    raise AssertionError("abort returned")  # pragma: no cover
-
-
-async def _refuse_stream(
-    request: Any, context: grpc.aio.ServicerContext[Any, Any]
-) -> AsyncIterator[Any]:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-    yield None  # pragma: no cover  (makes this an async generator)
-
-
-def _refusal(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-    kwargs: dict[str, Any] = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_refuse, **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_refuse_stream, **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_refuse, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(_refuse_stream, **kwargs)
 
 
 class _Servicer:
@@ -316,7 +256,7 @@ class QuorumServer:
         if self._server is not None:
             raise RuntimeError("QuorumServer.start() called twice")
         server = grpc.aio.server(
-            interceptors=[_BearerAuth(self._token, self.metrics)],
+            interceptors=[BearerAuth(self._token, on_refused=self.metrics.auth_failures.inc)],
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),

@@ -1,0 +1,63 @@
+"""The HTTP error contract every fthsdp FastAPI service shares: a JSON body
+`{"error": <code>, "detail": <text>}`, one table from a service's domain errors to statuses, and
+the handlers that apply it (request validation is 400, unknown errors 500 without a traceback on
+the wire)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_MAX_VALIDATION_ERRORS = 5
+
+
+def error_response(status: int, code: str, detail: str) -> JSONResponse:
+    """The JSON error body (with `WWW-Authenticate` on 401)."""
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+def status_in(table: Mapping[Any, int], error: Exception) -> int:
+    """The status of `error` in `table` (the most derived class wins; anything else is 500)."""
+    for cls in type(error).__mro__:
+        if cls in table:
+            return table[cls]
+    return 500
+
+
+def install_error_handlers(app: FastAPI, root: type[Exception], table: Mapping[Any, int]) -> None:
+    """Maps `root` and its subclasses (each with a `code` attribute) through `table`, and every
+    other failure to the shared contract."""
+
+    async def domain(_: Request, exc: Exception) -> Response:
+        return error_response(status_in(table, exc), str(getattr(exc, "code", "error")), str(exc))
+
+    async def invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        parts = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+            for e in exc.errors()[:_MAX_VALIDATION_ERRORS]
+        ]
+        return error_response(400, "invalid_argument", "; ".join(parts))
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    async def unknown(_: Request, exc: Exception) -> Response:
+        log.error("unhandled error: %s", type(exc).__name__, exc_info=exc)
+        return error_response(500, "internal", "internal error")
+
+    app.add_exception_handler(root, domain)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unknown)

@@ -1,0 +1,35 @@
+"""How every fthsdp service process waits for its end: SIGTERM or SIGINT starts a graceful drain,
+a second SIGINT exits at once (correct as PID 1 in a container, where the default handlers do
+nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+log = logging.getLogger(__name__)
+
+_FORCED_EXIT_CODE = 130
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Returns at the first SIGTERM or SIGINT (the caller then drains)."""
+    stop = asyncio.Event()
+    interrupts = 0
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                log.warning("second interrupt: exiting without draining")
+                os._exit(_FORCED_EXIT_CODE)
+        log.info("signal %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop.wait()
