@@ -109,7 +109,10 @@ class EmulatedJob:
         start: float = 1000.0,
         quorum_id: int = 1,
         ranks_per_host: int = 8,
+        first_replica: int = 0,
     ) -> None:
+        """`first_replica`: index of this job's first replica name, so that several emulators
+        (one per node agent) can report disjoint replicas of one job."""
         self.replicas, self.ranks, self.intra = replicas, ranks, intra
         self.sink = sink
         self.workload = workload or Workload()
@@ -118,15 +121,16 @@ class EmulatedJob:
         self.step_number = 0
         self.blocked = False
         self.quorum_id = quorum_id
+        self.names = [replica_name(first_replica + r) for r in range(replicas)]
         self._rng = np.random.default_rng(seed)
         self._phase_len, self._phase_left = 2048.0, 0
         self.ids = [
-            RankId(replica_id=replica_name(r), rank=i)
-            for r in range(replicas)
-            for i in range(ranks)
+            RankId(replica_id=self.names[r], rank=i) for r in range(replicas) for i in range(ranks)
         ]
         self.hosts = [
-            f"host-{r:03d}-{i // ranks_per_host}" for r in range(replicas) for i in range(ranks)
+            f"host-{first_replica + r:03d}-{i // ranks_per_host}"
+            for r in range(replicas)
+            for i in range(ranks)
         ]
         self._dead: set[int] = set()  # flat indices that stopped beating
 
@@ -163,7 +167,7 @@ class EmulatedJob:
 
     def culprit(self, fault: Fault) -> RankId:
         """The RankId a fault names."""
-        return RankId(replica_id=replica_name(fault.replica), rank=fault.rank)
+        return RankId(replica_id=self.names[fault.replica], rank=fault.rank)
 
     # ---- model ------------------------------------------------------------------------------
 
@@ -213,7 +217,7 @@ class EmulatedJob:
                 records,
                 arrive,
                 leave,
-                lambda r, i: f"replica:{replica_name(r)}",
+                lambda r, i: f"replica:{self.names[r]}",
                 n * self.intra + m,
                 op,
             )
@@ -293,7 +297,7 @@ class EmulatedJob:
         sdc = {f.replica for f in self._active(n, FaultKind.SDC)}
         for r in range(self.replicas):
             digest = f"bad-{r}-{n}" if r in sdc else f"good-{n}"
-            records.append(Fingerprint(replica_id=replica_name(r), step=n, digest=digest))
+            records.append(Fingerprint(replica_id=self.names[r], step=n, digest=digest))
         self.now = float(end.max())
         self.step_number += 1
         self.sink(self.now, records)

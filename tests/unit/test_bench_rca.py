@@ -1,4 +1,4 @@
-"""bench.rca runs in quick mode and names the hang culprit."""
+"""bench.rca in quick mode: names the hang culprit, measures gRPC ingest, scores culprits."""
 
 from __future__ import annotations
 
@@ -14,4 +14,17 @@ def test_quick_run_writes_json(tmp_path: Path, capsys) -> None:  # type: ignore[
     data = json.loads(out.read_text())
     assert all(r["culprit_named"] for r in data["rca"])
     assert data["false_alarms"][0]["detector"] == "predictor"
+    wire = data["grpc_ingest"]
+    # Counted from the service's acknowledgements, and the service agrees with the count.
+    assert wire["records"] > 0 and wire["failed_batches"] == 0
+    assert wire["service_counted_records"] == wire["records"]
+    assert wire["records"] == wire["batches"] * wire["batch"]
+    assert 0 < wire["latency_p50_s"] <= wire["latency_p99_s"]
+    assert wire["in_process"]["direct_records_per_s"] > 0
+    culprits = {row["kind"]: row for row in data["culprits"]}
+    assert set(culprits) == {"kill", "hang", "slow_rank", "fail_slow", "sdc", "all"}
+    assert culprits["all"]["injected"] == sum(
+        row["injected"] for kind, row in culprits.items() if kind != "all"
+    )
+    assert culprits["kill"]["named"] + culprits["kill"]["missed"] == culprits["kill"]["injected"]
     assert "named" in capsys.readouterr().out
