@@ -101,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="fault-free fthsdp runs, each between two DDP runs (the ratio's median is reported)",
     )
+    p.add_argument(
+        "--no-health",
+        action="store_true",
+        help="run fthsdp without the health service and its telemetry (on a 2-core machine its "
+        "processes compete with training for the same cores; in production they run elsewhere)",
+    )
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument(
         "--work-dir", type=Path, help="run directories go under it (default: a new temp dir)"
@@ -317,6 +323,7 @@ def run_phase(
         micro_batch=args.micro_batch,
         restart_policy=policy,
         live=False,
+        health=not args.no_health,
     )
     print(f"[{time.strftime('%H:%M:%S')}] {name}: demo, policy={policy}, kills={kills} → {run_dir}")
     return _timed(name, lambda: analyse_run(run_dir, run_demo(config), args.warmup_steps))

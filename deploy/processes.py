@@ -84,6 +84,10 @@ class ServiceSpec:
     """Shutdown order: higher tiers stop first (a store is tier 0, its clients tier 1)."""
     addresses: Mapping[str, str] = field(default_factory=dict)
     """What the child serves on, reported in the state file."""
+    die_with_parent: bool = True
+    """Ask Linux to SIGTERM the child when the launcher dies. This runs code between fork and
+    exec, which is unsafe in a launcher that itself runs gRPC threads (the demo embeds the
+    quorum service): such a launcher stops its children itself and passes False."""
 
 
 class ManagedProcess:
@@ -118,7 +122,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=_die_with_parent(os.getpid()) if self.spec.die_with_parent else None,
             )
         self.started_at = time.monotonic()
         self.restart_at = None

@@ -82,6 +82,7 @@ class Sidecar:
         self.process = ManagedProcess(
             ServiceSpec(
                 name=f"checkpoint-{name}",
+                die_with_parent=False,  # this launcher runs gRPC threads: no code before exec
                 argv=argv,
                 log_path=run_dir / "logs" / f"checkpoint-{name}.log",
                 ready=_http_ready(f"{self.url}/readyz"),
@@ -210,6 +211,7 @@ class LocalStack:
             spec = ServiceSpec(
                 name=name,
                 argv=argv,
+                die_with_parent=False,
                 # The Redis password travels in the environment, never on a command line.
                 env={"FTHSDP_QUORUM_REDIS_URL": self._redis.url},
                 log_path=self._run_dir / "logs" / f"{name}.log",
@@ -278,6 +280,7 @@ class LocalStack:
         return ServiceSpec(
             name=name,
             argv=argv,
+            die_with_parent=False,
             log_path=self._run_dir / "logs" / f"{name}.log",
             ready=_http_ready(f"http://127.0.0.1:{http}/readyz"),
             addresses={"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}"},
