@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -149,6 +150,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's informational lines (fork notices whenever the launcher starts a process) would
+    # drown the demo's output; an explicit GRPC_VERBOSITY still wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = argparse.ArgumentParser(prog="fthsdp", description="fault-tolerant HSDP training")
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
