@@ -13,10 +13,17 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.common.cli import (
+    Flag,
+    add_flags,
+    config_values,
+    env_name,
+    flag_or_env,
+    setup_logging,
+)
 from services.common.signals import wait_for_shutdown_signal
 from services.common.tokens import Token, load_token
 from services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
@@ -32,7 +39,7 @@ def _addresses(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+_FLAGS: tuple[Flag, ...] = (
     ("host", "host", str, "interface to bind (default 127.0.0.1)"),
     ("port", "port", int, "gRPC ingest port, 0 = any free port (central 7460, agent 7462)"),
     ("http-port", "http_port", int, "HTTP port, 0 = any, -1 = off (central 7461, agent 7463)"),
@@ -57,10 +64,6 @@ _MILLISECONDS = {
 }
 
 
-def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.upper().replace("-", "_")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every flag also reads FTHSDP_HEALTH_<FLAG> from the environment)."""
     parser = argparse.ArgumentParser(
@@ -68,39 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="fthsdp health service: central detectors + dashboard, or a node agent",
     )
     parser.add_argument(
-        "--mode", choices=MODES, default=None, help=f"central or agent [env {_env_name('mode')}]"
-    )
-    for flag, _, kind, text in _FLAGS:
-        parser.add_argument(
-            f"--{flag}", type=kind, default=None, help=f"{text} [env {_env_name(flag)}]"
-        )
-    parser.add_argument(
-        "--token-file",
+        "--mode",
+        choices=MODES,
         default=None,
-        help="file holding the bearer token [env FTHSDP_TOKEN_FILE, "
-        "or the token itself in FTHSDP_TOKEN]",
+        help=f"central or agent [env {env_name(ENV_PREFIX, 'mode')}]",
     )
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... [env FTHSDP_LOG_LEVEL]")
+    add_flags(parser, ENV_PREFIX, _FLAGS)
     return parser
-
-
-def _lookup(args: argparse.Namespace, env: Mapping[str, str], flag: str, kind: Any) -> Any:
-    raw: Any = getattr(args, flag.replace("-", "_"))
-    if raw is None:
-        name = _env_name(flag)
-        if env.get(name, "") != "":
-            try:
-                raw = kind(env[name])
-            except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from None
-    return raw
 
 
 def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> HealthConfig:
     """HealthConfig from flags, then FTHSDP_HEALTH_* variables, then defaults.
 
     Raises ValueError (naming the variable) for an unparsable or invalid value."""
-    mode: Mode = _lookup(args, env, "mode", str) or "central"
+    mode: Mode = flag_or_env(args, env, ENV_PREFIX, "mode", str) or "central"
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     grpc_port, http_port = DEFAULT_PORTS[mode]
@@ -110,15 +94,16 @@ def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> HealthCo
         "http_port": http_port,
         "node": socket.gethostname() or "localhost",
     }
-    for flag, field, kind, _ in _FLAGS:
-        raw = _lookup(args, env, flag, kind)
-        if raw is None:
-            continue
-        if field in _MILLISECONDS:
-            raw = timedelta(milliseconds=raw)
-        if field == "http_port" and raw < 0:
-            raw = None
-        values[field] = raw
+    values.update(
+        config_values(
+            args,
+            env,
+            ENV_PREFIX,
+            _FLAGS,
+            milliseconds=_MILLISECONDS,
+            off_when_negative={"http_port"},
+        )
+    )
     return HealthConfig(**values)
 
 
@@ -145,10 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console script `fthsdp-health`."""
     args = build_parser().parse_args(argv)
     env = os.environ
-    logging.basicConfig(
-        level=(args.log_level or env.get("FTHSDP_LOG_LEVEL") or "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args, env)
     try:
         config = resolve_config(args, env)
         token = load_token(path=args.token_file, env=dict(env))

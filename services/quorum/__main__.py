@@ -11,10 +11,10 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.common.cli import Flag, add_flags, config_values, setup_logging
 from services.common.signals import wait_for_shutdown_signal
 from services.common.tokens import Token, load_token
 from services.quorum.config import QuorumConfig
@@ -24,7 +24,7 @@ from services.quorum.store import InMemoryStore, clock_epoch_floor
 log = logging.getLogger("services.quorum")
 
 ENV_PREFIX = "FTHSDP_QUORUM_"
-_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+_FLAGS: tuple[Flag, ...] = (
     ("host", "host", str, "interface to bind (default 127.0.0.1)"),
     ("port", "port", int, "gRPC port, 0 = any free port (default 7450)"),
     ("admin-port", "admin_port", int, "HTTP port for /metrics /livez /readyz, 0 = any, -1 = off"),
@@ -46,26 +46,12 @@ _FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
 _MILLISECONDS = {"join_timeout", "heartbeat_timeout", "shutdown_grace", "lease_ttl"}
 
 
-def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.upper().replace("-", "_")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every flag also reads FTHSDP_QUORUM_<FLAG> from the environment)."""
     parser = argparse.ArgumentParser(
         prog="fthsdp-quorum", description="fthsdp quorum service (gRPC fthsdp.v1.QuorumService)"
     )
-    for flag, _, kind, text in _FLAGS:
-        parser.add_argument(
-            f"--{flag}", type=kind, default=None, help=f"{text} [env {_env_name(flag)}]"
-        )
-    parser.add_argument(
-        "--token-file",
-        default=None,
-        help="file holding the bearer token [env FTHSDP_TOKEN_FILE, "
-        "or the token itself in FTHSDP_TOKEN]",
-    )
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... [env FTHSDP_LOG_LEVEL]")
+    add_flags(parser, ENV_PREFIX, _FLAGS)
     return parser
 
 
@@ -73,23 +59,9 @@ def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> QuorumCo
     """QuorumConfig from flags, then FTHSDP_QUORUM_* variables, then defaults.
 
     Raises ValueError (with the variable's name) for an unparsable environment value."""
-    values: dict[str, Any] = {}
-    for flag, field, kind, _ in _FLAGS:
-        raw: Any = getattr(args, flag.replace("-", "_"))
-        if raw is None:
-            name = _env_name(flag)
-            if env.get(name, "") != "":
-                try:
-                    raw = kind(env[name])
-                except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
-        if raw is None:
-            continue
-        if field in _MILLISECONDS:
-            raw = timedelta(milliseconds=raw)
-        if field == "admin_port" and raw < 0:
-            raw = None
-        values[field] = raw
+    values = config_values(
+        args, env, ENV_PREFIX, _FLAGS, milliseconds=_MILLISECONDS, off_when_negative={"admin_port"}
+    )
     return QuorumConfig(**values)
 
 
@@ -124,10 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console script `fthsdp-quorum`."""
     args = build_parser().parse_args(argv)
     env = os.environ
-    logging.basicConfig(
-        level=(args.log_level or env.get("FTHSDP_LOG_LEVEL") or "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args, env)
     try:
         config = resolve_config(args, env)
         token = load_token(path=args.token_file, env=dict(env))
