@@ -35,13 +35,18 @@ REPLICAS = 4
 RANKS = (RankEndpoint(ftar="127.0.0.1:1", checkpoint="http://127.0.0.1:2"),)
 
 
-class _Instance:
-    """One quorum service process with its admin address (readyz tells the leader)."""
+class QuorumProcess:
+    """One `python -m services.quorum` process on free ports, electing through `redis_url`;
+    `leads()` asks its readiness probe (only the leader is ready)."""
 
-    def __init__(self, redis_url: str, token: str, prefix: str) -> None:
+    def __init__(
+        self, redis_url: str, token: str, prefix: str, *, lease_ttl_ms: int = 1000
+    ) -> None:
+        # The Redis URL (with its password) and the token travel in the environment.
         env = {**os.environ, "FTHSDP_TOKEN": token, "FTHSDP_QUORUM_REDIS_URL": redis_url}
         argv = [sys.executable, "-m", "services.quorum", "--port", "0", "--admin-port", "0"]
-        argv += ["--redis-prefix", prefix, "--log-level", "ERROR"]
+        argv += ["--redis-prefix", prefix, "--lease-ttl-ms", str(lease_ttl_ms)]
+        argv += ["--log-level", "ERROR"]
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
@@ -49,16 +54,19 @@ class _Instance:
         line = self.proc.stdout.readline()
         match = re.search(r"listening on (\S+) .*admin http://([^/]+)/metrics", line)
         if match is None:
+            self.kill()
             raise RuntimeError(f"quorum service did not start: {line!r}")
         self.address, self._admin = match.group(1), match.group(2)
 
     def leads(self) -> bool:
+        """Whether this instance is the leader now."""
         try:
             return httpx.get(f"http://{self._admin}/readyz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
     def kill(self) -> None:
+        """SIGKILL (idempotent)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
@@ -74,7 +82,7 @@ async def _step(client: AsyncQuorumClient, members: dict[str, int], step: int) -
 
 
 async def _trials(
-    instances: list[_Instance], token: str, trials: int, spawn: Any
+    instances: list[QuorumProcess], token: str, trials: int, spawn: Any
 ) -> list[dict[str, Any]]:
     client = AsyncQuorumClient([i.address for i in instances], token)
     members = {f"r{i}": await client.join(f"r{i}", RANKS) for i in range(REPLICAS)}
@@ -104,14 +112,14 @@ def run_failover(redis_url: str, trials: int) -> dict[str, Any] | None:
         return None
     token = secrets.token_urlsafe(24)
     prefix = f"bench-failover:{secrets.token_hex(4)}"
-    instances = [_Instance(redis_url, token, prefix)]
+    instances = [QuorumProcess(redis_url, token, prefix)]
     while not instances[0].leads():
         time.sleep(0.02)
-    instances.append(_Instance(redis_url, token, prefix))
+    instances.append(QuorumProcess(redis_url, token, prefix))
     print(f"failover: {trials} leader kills, {REPLICAS} replicas, lease 1 s")
     try:
         results = asyncio.run(
-            _trials(instances, token, trials, lambda: _Instance(redis_url, token, prefix))
+            _trials(instances, token, trials, lambda: QuorumProcess(redis_url, token, prefix))
         )
     finally:
         for instance in instances:

@@ -6,23 +6,18 @@ deciding at once)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from bench.quorum_failover import QuorumProcess
 from services.quorum.client import AsyncQuorumClient, QuorumClient
 from services.quorum.client_failover import Failover, parse_addresses
 from services.quorum.client_types import QuorumUnavailableError, RankEndpoint
@@ -187,63 +182,39 @@ def test_bad_address_lists_are_refused(bad: str) -> None:
 # ---- real processes ---------------------------------------------------------------------------
 
 
-class _Instance:
-    def __init__(self, proc: subprocess.Popen[str], address: str, admin: str) -> None:
-        self.proc = proc
-        self.address = address
-        self.admin = admin
-
-    def ready(self) -> bool:
-        try:
-            return httpx.get(f"http://{self.admin}/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-
 @pytest.fixture
-def spawn(token: str, redis_server: RedisServer) -> Iterator[Any]:
-    procs: list[subprocess.Popen[str]] = []
-    env = {**os.environ, "FTHSDP_TOKEN": token, "FTHSDP_QUORUM_REDIS_URL": redis_server.url}
+def spawn(token: str, redis_server: RedisServer) -> Iterator[Callable[[], QuorumProcess]]:
+    started: list[QuorumProcess] = []
 
-    def start() -> _Instance:
-        argv = [sys.executable, "-m", "services.quorum", "--port", "0", "--admin-port", "0"]
-        argv += ["--lease-ttl-ms", str(int(TTL.total_seconds() * 1000))]
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (\S+) .*admin http://([^/]+)/metrics", line)
-        assert match, line
-        return _Instance(proc, match.group(1), match.group(2))
+    def start() -> QuorumProcess:
+        ttl_ms = int(TTL.total_seconds() * 1000)
+        instance = QuorumProcess(redis_server.url, token, "fthsdp:quorum", lease_ttl_ms=ttl_ms)
+        started.append(instance)
+        return instance
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    for instance in started:
+        instance.kill()
 
 
 @pytest.mark.timeout(90)
-def test_standby_takes_over_when_the_leader_is_killed(spawn: Any, token: str) -> None:
+def test_standby_takes_over_when_the_leader_is_killed(
+    spawn: Callable[[], QuorumProcess], token: str
+) -> None:
     """I3 and I5: after SIGKILL of the leader the standby serves the same members (incarnations
     still valid, no rejoin) and the same quorum id; only then a membership change grows it."""
     a = spawn()
-    _poll(a.ready)
+    _poll(a.leads)
     b = spawn()
-    assert not b.ready()  # a standby is not ready: Services route to the leader only
+    assert not b.leads()  # a standby is not ready: Services route to the leader only
     with QuorumClient([a.address, b.address], token) as client:
         incarnation = client.join("r0", RANK)
         first = client.quorum("r0", incarnation, 0, timeout=timedelta(seconds=20))
         epoch_before = client.status().leader_epoch
-        a.proc.send_signal(signal.SIGKILL)
-        a.proc.wait()
+        a.kill()
         second = client.quorum("r0", incarnation, 1, timeout=timedelta(seconds=20))
         assert second.quorum_id == first.quorum_id
-        assert b.ready()
+        assert b.leads()
         assert client.status().leader_epoch > epoch_before
         other = client.join("r1", RANK)
         with ThreadPoolExecutor(2) as pool:
@@ -255,7 +226,7 @@ def test_standby_takes_over_when_the_leader_is_killed(spawn: Any, token: str) ->
         assert third[0].quorum_id == third[1].quorum_id > second.quorum_id
         assert [m.replica_id for m in third[0].members] == ["r0", "r1"]
     c = spawn()  # the restarted instance stands by
-    assert not c.ready()
+    assert not c.leads()
 
 
 def _poll(check: Any, seconds: float = 15.0) -> None:

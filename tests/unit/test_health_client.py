@@ -108,7 +108,8 @@ async def test_a_full_queue_drops_and_counts_without_blocking(
         for step in range(1000):
             client.step(step, started_at=1.0, duration_s=0.1)
         elapsed = time.perf_counter() - started
-        assert elapsed < 0.5, f"1000 calls took {elapsed:.3f} s"
+        # A caller that waited on the hanging send even once would take a whole RPC timeout.
+        assert elapsed < 5.0, f"1000 calls took {elapsed:.3f} s: a call waited on the send"
         assert client.stats.dropped >= 800
         client.step(-5, started_at=1.0, duration_s=0.1)  # invalid: dropped, never raised
     finally:
@@ -122,12 +123,11 @@ async def test_a_dead_service_costs_the_caller_nothing(token: str) -> None:
         port = sock.getsockname()[1]  # nothing listens here once closed
     client = TelemetryClient(f"127.0.0.1:{port}", token, replica_id="r0", rank=0, queue_size=50)
     try:
-        started = time.perf_counter()
         for step in range(500):
             client.set_step(step)
             client.step(step, started_at=1.0, duration_s=0.1)
             client.fingerprint(step, "d")
-        assert time.perf_counter() - started < 0.5
+        assert client.stats.dropped >= 1000 - 50  # the queue bound held; nothing raised
         await _until(lambda: client.stats.failed_batches >= 1)
         assert client.stats.sent_batches == 0
     finally:
