@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +29,6 @@ from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.redis
 
-ROOT = Path(__file__).resolve().parents[2]
 TTL = timedelta(milliseconds=600)
 RANK = (RankEndpoint(ftar="127.0.0.1:1", checkpoint="http://127.0.0.1:2"),)
 
