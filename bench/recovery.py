@@ -12,8 +12,10 @@ invocation, so every comparison is between runs measured side by side on the sam
    stall and the time until the victim commits again; median and max over the failures.
 2. `baseline`: the same schedule (seed, duration, period, mode) under restart policy "job" (every
    replica restarts from the last durable checkpoint on any failure).
-3. `faultfree`: the same duration without failures; its committed replica-steps per second over
-   the span from the first to the last commit is the fault-free rate.
+3. `faultfree`: the same duration without failures and, like the DDP baseline, without durable
+   checkpoints (`--faultfree-durable-every-steps`); its committed replica-steps per second over
+   the span from the first to the last commit is the fault-free rate (so the ETT below is, if
+   anything, understated: the runs with failures also write durable checkpoints).
 4. Effective training time in time, not steps: ETT = useful replica-steps / (fault-free rate ×
    the run's training span). Useful replica-steps are the report's distinct (step, contributing
    replica) pairs, so work a rollback threw away is not counted twice. The training span runs from
@@ -29,8 +31,9 @@ invocation, so every comparison is between runs measured side by side on the sam
    bucket (the model is far below DDP's 25 MB bucket) runs inside backward, fthsdp's exchange
    after backward (the demo's default; `overlap_backward` is off). What only fthsdp pays is
    counted against it: the quorum service (embedded in this process), one checkpoint sidecar
-   process per replica, per-step data-position records, the leaders' quorum requests and the
-   Manager's threads. On its own, with several repeats, each fault-free run between two DDP
+   process per replica, the data-position records (once a second), the leaders' quorum
+   requests, the Manager's threads and, unless `--no-health`, the health service's processes
+   and every rank's telemetry. On its own, with several repeats, each fault-free run between two DDP
    runs (the median ratio is the number to read; the spread of the DDP medians is the noise):
 
     python -m bench.recovery --overhead-only --overhead-repeats 3 --duration-s 20 \
@@ -43,6 +46,7 @@ machine the absolute numbers move with the load; the ratios are what to read."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -107,6 +111,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run fthsdp without the health service and its telemetry (on a 2-core machine its "
         "processes compete with training for the same cores; in production they run elsewhere)",
     )
+    p.add_argument(
+        "--faultfree-durable-every-steps",
+        type=int,
+        default=0,
+        help="durable checkpoint period of the fault-free runs (default 0: the DDP baseline "
+        "writes none either; the runs with failures keep the demo's period)",
+    )
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument(
         "--work-dir", type=Path, help="run directories go under it (default: a new temp dir)"
@@ -116,6 +127,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--replicas must be >= 2 (one must survive a failure)")
     if args.overhead_repeats < 1:
         p.error("--overhead-repeats must be >= 1")
+    if args.faultfree_durable_every_steps < 0:
+        p.error("--faultfree-durable-every-steps must be >= 0")
     if args.ranks < 1 or args.micro_batch < 1 or args.ddp_steps < 1:
         p.error("--ranks, --micro-batch and --ddp-steps must be >= 1")
     if args.duration_s <= 0 or args.kill_every_s <= 0:
@@ -325,6 +338,8 @@ def run_phase(
         live=False,
         health=not args.no_health,
     )
+    if not kills:
+        config = dataclasses.replace(config, durable_every_steps=args.faultfree_durable_every_steps)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: demo, policy={policy}, kills={kills} → {run_dir}")
     return _timed(name, lambda: analyse_run(run_dir, run_demo(config), args.warmup_steps))
 

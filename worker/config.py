@@ -67,6 +67,12 @@ class ManagerConfig:
     fingerprint_every_steps: int = 10
     """Rank 0 sends a digest of the replica's state every K committed steps (0: never), so the
     health service can name a replica that silently diverged."""
+    position_record_interval: timedelta | None = timedelta(seconds=1)
+    """How often the leader records the committed data positions with the checkpoint sidecar
+    (at most; and once more on `shutdown`); None: never. Exactly-once data does not depend on these
+    records: the positions are part of the replicated state (they travel with catch-up and with
+    durable checkpoints). The records are the job's external trail of progress; recording every
+    step would cost an HTTP request and an fsync per step."""
 
     def __post_init__(self) -> None:
         for name in ("job_id", "replica_id"):
@@ -85,8 +91,10 @@ class ManagerConfig:
             raise ValueError("durable_every_steps must be >= 0")
         if self.fingerprint_every_steps < 0:
             raise ValueError("fingerprint_every_steps must be >= 0")
-        if self.control_plane_grace is not None and self.control_plane_grace < timedelta(0):
-            raise ValueError("control_plane_grace must not be negative")
+        for name in ("control_plane_grace", "position_record_interval"):
+            value = getattr(self, name)
+            if value is not None and value < timedelta(0):
+                raise ValueError(f"{name} must not be negative")
         if self.bucket_bytes < 1024:
             raise ValueError("bucket_bytes must be >= 1024")
         for name in ("quorum_timeout", "heartbeat_interval", "fetch_timeout", "exchange_timeout"):

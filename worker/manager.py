@@ -162,6 +162,8 @@ class Manager:
         self._control_plane_down = False
         """Leader: the last step went on without the quorum service (see `_fallback_plan`)."""
         self._step_started: float | None = None
+        self._positions_recorded = -math.inf
+        """Leader: monotonic time the data positions were last sent to the sidecar."""
         self._telemetry = StepTelemetry(
             config.health_address,
             config.token,
@@ -406,7 +408,7 @@ class Manager:
         trained = self.positions.advance(plan.healthy, self.samples_per_step)
         committed = self.step
         self.step += 1
-        if self.group.is_leader:
+        if self.group.is_leader and self._position_record_due():
             self._executor.submit(self._peer_state.record_positions, self.step, self.positions)
         outcome = StepOutcome(
             step=committed,
@@ -419,6 +421,16 @@ class Manager:
             without_control_plane=plan.fallback,
         )
         return outcome
+
+    def _position_record_due(self) -> bool:
+        """Leader, after committing: whether to send the positions to the sidecar now (at most
+        once per `position_record_interval`; `shutdown` sends the last ones)."""
+        interval = self.config.position_record_interval
+        now = time.monotonic()
+        if interval is None or now - self._positions_recorded < interval.total_seconds():
+            return False
+        self._positions_recorded = now
+        return True
 
     def _fetch(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
         """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
@@ -672,6 +684,8 @@ class Manager:
         if self._watch_stream is not None:
             self._watch_stream.cancel()
         if self.group.is_leader:
+            if self.config.position_record_interval is not None and self.step > 0:
+                self._peer_state.record_positions(self.step, self.positions)
             try:
                 self._quorum.leave(self.config.replica_id, self._incarnation)
             except Exception as exc:

@@ -3,8 +3,9 @@
 A thin layer over `services.health.client.TelemetryClient` (asynchronous, batched, never raises,
 never blocks training beyond a queue put): per step its timing and workload (tokens N and
 Σ seq_len², the fail-slow predictor's inputs), the cross-replica exchange as a collective record
-(entered, then left: a rank that never leaves it is what the hang detector looks for), and every
-`fingerprint_every_steps` a digest of the replica's state for silent-corruption detection.
+(its whole passage, and an entry while it is still open at a flush: a rank that never leaves it
+is what the hang detector looks for), and every `fingerprint_every_steps` a digest of the
+replica's state for silent-corruption detection.
 Without a health address every call is a no-op."""
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class StepTelemetry:
         )
         self._rank = rank
         self._every = fingerprint_every_steps
-        self._exchange: tuple[str, int, float] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -41,20 +41,14 @@ class StepTelemetry:
 
     def exchange_entered(self, quorum_id: int, step: int) -> None:
         """This rank entered the cross-replica exchange of `step` on ring `quorum_id`."""
-        if self._client is None:
-            return
-        group = f"ftar:{quorum_id}:{self._rank}"
-        started = time.time()
-        self._exchange = (group, step, started)
-        self._client.collective(group, step, "allreduce", started_at=started)
+        if self._client is not None:
+            group = f"ftar:{quorum_id}:{self._rank}"
+            self._client.enter_collective(group, step, "allreduce", started_at=time.time())
 
     def exchange_left(self) -> None:
         """The exchange entered last returned (successfully or not)."""
-        if self._client is None or self._exchange is None:
-            return
-        group, step, started = self._exchange
-        self._exchange = None
-        self._client.collective(group, step, "allreduce", started_at=started, ended_at=time.time())
+        if self._client is not None:
+            self._client.leave_collective(ended_at=time.time())
 
     def step(
         self,

@@ -72,8 +72,8 @@ class TelemetryClient:
         replica_id: str,
         rank: int,
         host: str | None = None,
-        heartbeat_interval: timedelta = timedelta(milliseconds=100),
-        flush_interval: timedelta = timedelta(milliseconds=100),
+        heartbeat_interval: timedelta = timedelta(milliseconds=200),
+        flush_interval: timedelta = timedelta(milliseconds=200),
         max_batch: int = 512,
         queue_size: int = 10_000,
         rpc_timeout: timedelta = timedelta(seconds=1),
@@ -98,6 +98,8 @@ class TelemetryClient:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._step = -1
         self._lock = threading.Lock()
+        self._inflight: tuple[str, int, str, float] | None = None
+        self._inflight_sent = False
         self._sent_batches = self._sent_records = self._dropped = self._failed = 0
         self._stop = threading.Event()
         self._leave_reason: str | None = None
@@ -147,6 +149,22 @@ class TelemetryClient:
     ) -> None:
         """This rank's entry into (ended_at None) or whole passage through a collective."""
         self._put(("collective", group, seq, op, started_at, ended_at))
+
+    def enter_collective(self, group: str, seq: int, op: str, *, started_at: float) -> None:
+        """This rank is now inside a collective (one at a time). Nothing is queued: a collective
+        still open at a flush is sent as an entry (once), and `leave_collective` queues the whole
+        passage, so a collective that ends between two flushes costs one record, not two, while
+        one that hangs is still seen within a flush interval."""
+        with self._lock:
+            self._inflight = (group, seq, op, started_at)
+            self._inflight_sent = False
+
+    def leave_collective(self, *, ended_at: float) -> None:
+        """The collective entered last is over (successfully or not)."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self._put(("collective", *inflight, ended_at))
 
     def fingerprint(self, step: int, digest: str) -> None:
         """A digest of the replica's parameters at `step` (identical on healthy replicas)."""
@@ -233,6 +251,11 @@ class TelemetryClient:
             taken += 1
             if not self._encode(request, item):
                 self._count_drop(1)
+        entry = self._unsent_entry()
+        if entry is not None:
+            taken += 1
+            if not self._encode(request, ("collective", *entry, None)):
+                self._count_drop(1)
         if beat:
             hb = request.heartbeats.add(step=self._step, at=time.time())
             hb.rank.CopyFrom(self._rank)
@@ -243,6 +266,14 @@ class TelemetryClient:
             return None
         request.sent_at = time.time()
         return request
+
+    def _unsent_entry(self) -> tuple[str, int, str, float] | None:
+        """The open collective, if its entry has not been sent yet (it is marked sent)."""
+        with self._lock:
+            if self._inflight is None or self._inflight_sent:
+                return None
+            self._inflight_sent = True
+            return self._inflight
 
     def _encode(self, request: pb.ReportRequest, item: tuple[Any, ...]) -> bool:
         """Adds one queued record; False (dropped) when its values are invalid."""

@@ -46,9 +46,10 @@ class HealthConfig:
     """Central: keep incidents and telemetry streams in Redis; None keeps them in memory."""
     redis_prefix: str = "fthsdp:health"
     """Prefix of the Redis keys (several jobs may share one Redis)."""
-    heartbeat_timeout: timedelta = timedelta(milliseconds=500)
+    heartbeat_timeout: timedelta = timedelta(milliseconds=700)
     """Agent: a local rank not heard from for this long is failed at once. Ranks beat every
-    100 ms, so 500 ms tolerates four lost beats and keeps kill -> new quorum within 1 s."""
+    200 ms, so 700 ms tolerates two lost beats (or a 500 ms stall of the sending thread) and
+    keeps kill -> new quorum within 1 s."""
     check_interval: timedelta = timedelta(milliseconds=50)
     """Agent: how often the local fail-stop check runs (adds at most this to detection)."""
     evaluate_interval: timedelta = timedelta(milliseconds=100)

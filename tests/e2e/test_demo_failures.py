@@ -45,11 +45,27 @@ def _commit_lines(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-def test_kills_leave_identical_replicas_and_exactly_once_data(demo: DemoRunner) -> None:
+def _assert_final_positions_recorded(report: dict[str, Any], run_dir: Path) -> None:
+    """I2's external trail: each leader's last record with its sidecar (sent on its clean exit)
+    holds the final step and, per replica, the end of the samples it trained."""
+    ends = {
+        replica: max(s["end"] for s in entry["samples"])
+        for replica, entry in report["replicas"].items()
+    }
+    for replica, entry in report["replicas"].items():
+        lines = (run_dir / "checkpoints" / "positions" / "demo" / f"{replica}.jsonl").read_text()
+        last = json.loads(lines.splitlines()[-1])
+        assert last == {"step": entry["final_step"], "position": ends}, (replica, last)
+
+
+def test_kills_leave_identical_replicas_and_exactly_once_data(
+    demo: DemoRunner, tmp_path: Path
+) -> None:
     """I1 + I2 after repeated SIGKILLs of single ranks (2 ranks per replica), and I4: the
     survivors keep committing while a replica is down, stalling at most the join timeout."""
     report = demo(ranks=2, duration=timedelta(seconds=40), kill_every=timedelta(seconds=8))
     _assert_i1_i2(report)
+    _assert_final_positions_recorded(report, tmp_path / "run")
     failures = report["failures"]
     assert len(failures) >= 2
     for failure in failures:

@@ -90,6 +90,49 @@ async def test_records_arrive_batched_with_heartbeats_carrying_progress(
     assert sink.batches[-1].left[0].replica_id == "r0"  # the clean-exit notice
 
 
+async def test_a_collective_over_between_flushes_is_one_record_an_open_one_is_announced(
+    sink_server: tuple[RecordingSink, IngestServer], token: str
+) -> None:
+    sink, server = sink_server
+    # No flush before close: every collective below opens and closes between two flushes.
+    quiet = TelemetryClient(
+        server.address, token, replica_id="r0", rank=0, flush_interval=timedelta(seconds=60)
+    )
+    for seq in range(50):
+        quiet.enter_collective("ftar:1:0", seq, "allreduce", started_at=100.0 + seq)
+        quiet.leave_collective(ended_at=100.5 + seq)
+    await asyncio.to_thread(quiet.close)
+    passages = [c for b in sink.batches for c in b.collectives]
+    # (The service shifts times by the sender's clock offset: compare durations.)
+    assert [c.seq for c in passages] == list(range(50))
+    assert all(c.ended_at is not None for c in passages)
+    assert [round(c.ended_at - c.started_at, 3) for c in passages if c.ended_at] == [0.5] * 50
+
+    sink.batches.clear()
+    client = TelemetryClient(
+        server.address, token, replica_id="r0", rank=1, flush_interval=timedelta(milliseconds=20)
+    )
+    try:
+        client.enter_collective("ftar:2:1", 7, "allreduce", started_at=200.0)
+
+        def records() -> list[tuple[int, float | None]]:
+            return [
+                (c.seq, None if c.ended_at is None else round(c.ended_at - c.started_at, 3))
+                for b in sink.batches
+                for c in b.collectives
+                if c.rank.rank == 1
+            ]
+
+        await _until(lambda: records() == [(7, None)])  # still open: the entry, once
+        client.leave_collective(ended_at=201.0)
+        await _until(lambda: len(records()) == 2)
+        assert records() == [(7, None), (7, 1.0)]
+        client.leave_collective(ended_at=202.0)  # nothing open: nothing sent
+    finally:
+        await asyncio.to_thread(client.close)
+    assert len(records()) == 2
+
+
 async def test_a_full_queue_drops_and_counts_without_blocking(
     sink_server: tuple[RecordingSink, IngestServer], token: str
 ) -> None:
