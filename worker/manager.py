@@ -36,6 +36,7 @@ from worker.data import DataPositions
 from worker.exchange import GradientExchange
 from worker.faults import FaultPlan
 from worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
+from worker.ftar.auth import ring_key
 from worker.peer_state import PeerState, StateFetchError
 from worker.plan import (
     StepPlan,
@@ -144,7 +145,10 @@ class Manager:
                             lambda _param, index=index: self._on_grad(index)
                         )
                     )
-        self._ring = FtarRing(ftar_config or FtarConfig())
+        ftar_config = ftar_config or FtarConfig()
+        if not ftar_config.auth_key:  # only ranks of this job may join its rings
+            ftar_config = dataclasses.replace(ftar_config, auth_key=ring_key(config.token))
+        self._ring = FtarRing(ftar_config)
         self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
         self._quorum = QuorumClient(config.quorum_address, config.token)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")

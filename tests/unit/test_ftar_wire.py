@@ -45,6 +45,8 @@ def test_messages_round_trip() -> None:
     header = wire.ExchangeHeader(7, 3, 1, 4, 1000, 16, 3, b"x" * 32, True)
     assert wire.ExchangeHeader.decode(header.encode()) == header
     assert wire.Ready.decode(wire.Ready(7, 3).encode()) == wire.Ready(7, 3)
+    challenge = wire.Challenge(b"n" * 16)
+    assert wire.Challenge.decode(challenge.encode()) == challenge
     assert wire.Ack.decode(wire.Ack(wire.AckStatus.STALE_EPOCH, 9).encode()).epoch == 9
     chunk = wire.ChunkHeader(3, 5, 2, 64)
     assert wire.ChunkHeader.decode(chunk.encode()) == chunk

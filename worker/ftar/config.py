@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 __all__ = ["FtarConfig"]
@@ -45,6 +45,12 @@ class FtarConfig:
     max_ring_size: int = 4096
     """Largest ring accepted from a peer's handshake (bounds wire fields before use)."""
 
+    auth_key: bytes = field(default=b"", repr=False)
+    """The job's ring key (`worker.ftar.auth.ring_key` of its token): every connection must prove
+    it holds the same key. The Manager sets it from the job's token. Empty, the default of a bare
+    ring, still runs the handshake but with an empty key, so it authenticates nothing: only for
+    tests and benchmarks on one host."""
+
     def __post_init__(self) -> None:
         if not self.bind_host:
             raise ValueError("bind_host must not be empty")
@@ -64,6 +70,8 @@ class FtarConfig:
             raise ValueError("chunk_timeout must not exceed exchange_timeout")
         if self.socket_buffer_bytes and not 4096 <= self.socket_buffer_bytes <= _MAX_CHUNK_BYTES:
             raise ValueError("socket_buffer_bytes must be 0 (autotune) or in [4096, 1 GiB]")
+        if not isinstance(self.auth_key, bytes) or len(self.auth_key) > 1024:
+            raise ValueError("auth_key must be bytes, at most 1024 of them")
         if not 1 <= self.max_ring_size <= 1 << 20:
             raise ValueError("max_ring_size must be in [1, 1048576]")
 

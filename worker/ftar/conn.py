@@ -6,7 +6,7 @@ import contextlib
 import socket
 import struct
 
-from worker.ftar import wire
+from worker.ftar import auth, wire
 from worker.ftar.errors import FatalFtarError, FtarPeerError
 
 __all__ = [
@@ -74,19 +74,26 @@ def dial(address: str, timeout: float, buffer_bytes: int) -> socket.socket:
     return sock
 
 
-def read_hello(sock: socket.socket, timeout: float, max_ring_size: int) -> wire.Hello:
-    """Read and validate a HELLO (bounded sizes before any allocation)."""
+def read_hello(
+    sock: socket.socket, timeout: float, max_ring_size: int, key: bytes, challenge: bytes
+) -> tuple[wire.Hello, bytes]:
+    """Read and validate a HELLO (bounded sizes before any allocation) and check its proof
+    against `challenge`; returns it with the connector's nonce (the ACK's proof covers it)."""
     sock.settimeout(timeout)
     head = bytearray(wire.HELLO_PREFIX_SIZE)
     wire.recv_exact(sock, memoryview(head))
     epoch, position, size, alen = wire.Hello.decode_prefix(bytes(head), max_ring_size)
-    raw = bytearray(alen)
-    wire.recv_exact(sock, memoryview(raw))
+    rest = bytearray(alen + auth.NONCE_BYTES + auth.MAC_BYTES)
+    wire.recv_exact(sock, memoryview(rest))
+    raw = bytes(rest[:alen])
+    nonce = bytes(rest[alen : alen + auth.NONCE_BYTES])
+    proof = auth.hello_proof(key, challenge, bytes(head) + raw, nonce)
+    auth.check_proof(proof, bytes(rest[alen + auth.NONCE_BYTES :]), "HELLO")
     try:
         address = raw.decode()
     except UnicodeDecodeError:
         raise FtarPeerError("HELLO address is not UTF-8") from None
-    return wire.Hello(epoch, position, size, address)
+    return wire.Hello(epoch, position, size, address), nonce
 
 
 def is_alive(sock: socket.socket) -> bool:

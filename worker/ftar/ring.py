@@ -2,7 +2,10 @@
 
 Connection scheme: every rank *connects to its right neighbour* and *accepts from its left*; the
 connection to the right carries this rank's data (and READY back), the accepted one carries the
-left's data. A HELLO names the connector's epoch, ring position, ring size and own address; the
+left's data. Before anything else, both ends prove they hold the job's ring key
+(``worker.ftar.auth``: a challenge from the acceptor, proofs in HELLO and ACK); a connection
+without a valid proof is closed unread. A HELLO names the connector's epoch, ring position, ring
+size and own address; the
 acceptor admits it only as the expected left neighbour of its current epoch, answers STALE to an
 older epoch, WRONG_PEER to anything else in its epoch, and parks a HELLO from a newer epoch until
 its own ``reconfigure`` reaches it (so neighbours may reconfigure in any order).
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.ftar import conn, wire
+from worker.ftar import auth, conn, wire
 from worker.ftar.config import FtarConfig
 from worker.ftar.engine import (
     Event,
@@ -155,7 +158,7 @@ class FtarRing:
         self._in: _Conn | None = None
         self._out: _Conn | None = None
         self._connecting: socket.socket | None = None
-        self._parked: list[tuple[socket.socket, wire.Hello]] = []
+        self._parked: list[tuple[socket.socket, wire.Hello, bytes]] = []
         self._graveyard: list[socket.socket] = []
         self._gen = 0
         self._halted: RecoverableFtarError | None = FtarAbortedError("ring not configured yet")
@@ -334,7 +337,7 @@ class FtarRing:
             self._bury_conns()
             if self._connecting is not None:
                 conn.shutdown_quietly(self._connecting)
-            for sock, _ in self._parked:
+            for sock, _, _ in self._parked:
                 conn.close_quietly(sock)
             self._parked.clear()
             self._cv.notify_all()
@@ -446,11 +449,11 @@ class FtarRing:
         self._topo = topo
         self._halted = FtarAbortedError("reconfigure in progress")
         parked, self._parked = self._parked, []
-        for sock, hello in parked:
+        for sock, hello, nonce in parked:
             if hello.epoch > topo.epoch:
-                self._parked.append((sock, hello))
+                self._parked.append((sock, hello, nonce))
             else:
-                self._admit_locked(sock, hello)
+                self._admit_locked(sock, hello, nonce)
         return keep_in, keep_out
 
     def _connect_right(self, topo: _Topology, gen: int, deadline: float) -> None:
@@ -489,10 +492,7 @@ class FtarRing:
             if aborted:
                 raise FtarAbortedError("aborted while connecting")
             self._counters.connects += 1
-            sock.sendall(hello)
-            buf = bytearray(wire.ACK_SIZE)
-            wire.recv_exact(sock, memoryview(buf))
-            ack = wire.Ack.decode(bytes(buf))
+            ack = self._handshake(sock, hello)
         except BaseException:
             conn.close_quietly(sock)
             raise
@@ -506,6 +506,21 @@ class FtarRing:
                 sock.settimeout(None)  # blocking; the engine bounds it with kernel timeouts
                 self._out = _Conn(sock, address)
         return ack
+
+    def _handshake(self, sock: socket.socket, hello: bytes) -> wire.Ack:
+        """Connector side: answer the acceptor's challenge with HELLO and our proof, then read
+        the ACK and check the acceptor's proof (see `worker.ftar.auth`)."""
+        key = self.config.auth_key
+        buf = bytearray(wire.CHALLENGE_SIZE)
+        wire.recv_exact(sock, memoryview(buf))
+        challenge = wire.Challenge.decode(bytes(buf)).nonce
+        nonce = auth.new_nonce()
+        sock.sendall(hello + nonce + auth.hello_proof(key, challenge, hello, nonce))
+        buf = bytearray(wire.ACK_SIZE + auth.MAC_BYTES)
+        wire.recv_exact(sock, memoryview(buf))
+        raw = bytes(buf[: wire.ACK_SIZE])
+        auth.check_proof(auth.ack_proof(key, nonce, raw), bytes(buf[wire.ACK_SIZE :]), "ACK")
+        return wire.Ack.decode(raw)
 
     def _await_left(self, topo: _Topology, gen: int, deadline: float) -> None:
         with self._cv:
@@ -531,8 +546,12 @@ class FtarRing:
             self._counters.accepts += 1
             try:
                 conn.tune(sock, 0)
-                hello = conn.read_hello(
-                    sock, self.config.connect_timeout.total_seconds(), self.config.max_ring_size
+                challenge = auth.new_nonce()
+                timeout = self.config.connect_timeout.total_seconds()
+                sock.settimeout(timeout)
+                sock.sendall(wire.Challenge(challenge).encode())
+                hello, nonce = conn.read_hello(
+                    sock, timeout, self.config.max_ring_size, self.config.auth_key, challenge
                 )
             except (OSError, FtarError) as exc:
                 log.warning("ftar rejected a connection: %r", exc, extra=self._ctx())
@@ -544,17 +563,17 @@ class FtarRing:
                     return
                 topo = self._topo
                 if topo is None or hello.epoch > topo.epoch:
-                    self._park_locked(sock, hello)
+                    self._park_locked(sock, hello, nonce)
                 else:
-                    self._admit_locked(sock, hello)
+                    self._admit_locked(sock, hello, nonce)
 
-    def _park_locked(self, sock: socket.socket, hello: wire.Hello) -> None:
-        self._parked.append((sock, hello))
+    def _park_locked(self, sock: socket.socket, hello: wire.Hello, nonce: bytes) -> None:
+        self._parked.append((sock, hello, nonce))
         if len(self._parked) > _MAX_PARKED:
-            old, _ = self._parked.pop(0)
+            old, _, _ = self._parked.pop(0)
             conn.close_quietly(old)
 
-    def _admit_locked(self, sock: socket.socket, hello: wire.Hello) -> None:
+    def _admit_locked(self, sock: socket.socket, hello: wire.Hello, nonce: bytes) -> None:
         topo = self._topo
         assert topo is not None
         if hello.epoch < topo.epoch:
@@ -569,7 +588,8 @@ class FtarRing:
             status = wire.AckStatus.OK
         try:
             sock.settimeout(self.config.connect_timeout.total_seconds())
-            sock.sendall(wire.Ack(status, topo.epoch).encode())
+            ack = wire.Ack(status, topo.epoch).encode()
+            sock.sendall(ack + auth.ack_proof(self.config.auth_key, nonce, ack))
         except OSError:
             conn.close_quietly(sock)
             return

@@ -1,6 +1,8 @@
 """FTAR wire format: fixed-size big-endian structs, validated field by field before use.
 
-Every connection starts with HELLO (connector -> acceptor) answered by ACK. Each exchange then
+Every connection starts with CHALLENGE (acceptor -> connector), then HELLO (connector ->
+acceptor) answered by ACK, each carrying a proof of the job's ring key (`worker.ftar.auth`).
+Each exchange then
 sends, on the data direction (rank -> right neighbour), one EXCHANGE header followed by tagged
 CHUNK messages; the receiver answers READY once (reverse direction) so that the sender only
 pushes bulk data to a neighbour that has started the same exchange. No pickle, no variable-size
@@ -18,16 +20,19 @@ from enum import IntEnum
 
 import torch
 
+from worker.ftar.auth import NONCE_BYTES
 from worker.ftar.errors import FatalFtarError, FtarPeerError
 
 __all__ = [
     "ACK_SIZE",
+    "CHALLENGE_SIZE",
     "CHUNK_SIZE",
     "EXCHANGE_SIZE",
     "HELLO_PREFIX_SIZE",
     "READY_SIZE",
     "Ack",
     "AckStatus",
+    "Challenge",
     "ChunkHeader",
     "ExchangeHeader",
     "Hello",
@@ -38,7 +43,7 @@ __all__ = [
 ]
 
 MAGIC = b"FTAR"
-VERSION = 1
+VERSION = 2
 MAX_ADDRESS_BYTES = 255
 _IOV_MAX = 512
 
@@ -48,6 +53,7 @@ class _Kind(IntEnum):
     ACK = 2
     EXCHANGE = 3
     READY = 4
+    CHALLENGE = 5
 
 
 class AckStatus(IntEnum):
@@ -63,6 +69,7 @@ _HELLO = struct.Struct(">4sHBQIIB")  # + epoch, position, size, address length
 _ACK = struct.Struct(">4sHBBQ")  # + status, acceptor epoch
 _EXCHANGE = struct.Struct(">4sHBBQQIIQQI32s")
 _READY = struct.Struct(">4sHBQQ")  # + epoch, seq
+_CHALLENGE = struct.Struct(f">4sHB{NONCE_BYTES}s")  # + the acceptor's random challenge
 _CHUNK = struct.Struct(">4sQIHI")  # chunk magic, seq, column, step, nbytes
 _CHUNK_MAGIC = b"FTCK"
 
@@ -70,6 +77,7 @@ HELLO_PREFIX_SIZE = _HELLO.size
 ACK_SIZE = _ACK.size
 EXCHANGE_SIZE = _EXCHANGE.size
 READY_SIZE = _READY.size
+CHALLENGE_SIZE = _CHALLENGE.size
 CHUNK_SIZE = _CHUNK.size
 
 
@@ -80,6 +88,22 @@ def _check_prefix(magic: bytes, version: int, kind: int, want: _Kind) -> None:
         raise FatalFtarError(f"peer speaks FTAR wire version {version}, this rank {VERSION}")
     if kind != want:
         raise FtarPeerError(f"expected a {want.name} message, got kind {kind}")
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """Acceptor -> connector, first on every connection: a fresh random challenge."""
+
+    nonce: bytes
+
+    def encode(self) -> bytes:
+        return _CHALLENGE.pack(MAGIC, VERSION, _Kind.CHALLENGE, self.nonce)
+
+    @staticmethod
+    def decode(data: bytes) -> Challenge:
+        magic, version, kind, nonce = _CHALLENGE.unpack(data)
+        _check_prefix(magic, version, kind, _Kind.CHALLENGE)
+        return Challenge(nonce)
 
 
 @dataclass(frozen=True, slots=True)
