@@ -85,6 +85,10 @@ class DataPositions:
             trained[replica] = (start, start + samples)
         return trained
 
+    def copy(self) -> DataPositions:
+        """An independent table with the same positions (`advance` changes this one in place)."""
+        return DataPositions(self._positions)
+
     def as_dict(self) -> dict[str, int]:
         """A copy of the table."""
         return dict(self._positions)

@@ -10,6 +10,7 @@ gradient and is identical to them (I1)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -55,6 +56,8 @@ POSITIONS_META = "positions"
 STEP_META = "step"
 _STEADY = -1
 """Plan header kind: the previous plan with a new max_step (no payload follows)."""
+_RECORD_WAIT_S = 5.0
+"""On shutdown, how long the last position record waits for the one before it."""
 
 
 class TooManyFailedCommits(RuntimeError):
@@ -168,6 +171,8 @@ class Manager:
         self._step_started: float | None = None
         self._positions_recorded = -math.inf
         """Leader: monotonic time the data positions were last sent to the sidecar."""
+        self._position_record: Future[None] | None = None
+        """Leader: the last send of the positions (one at a time, so they arrive in order)."""
         self._telemetry = StepTelemetry(
             config.health_address,
             config.token,
@@ -413,7 +418,9 @@ class Manager:
         committed = self.step
         self.step += 1
         if self.group.is_leader and self._position_record_due():
-            self._executor.submit(self._peer_state.record_positions, self.step, self.positions)
+            self._position_record = self._executor.submit(
+                self._peer_state.record_positions, self.step, self.positions.copy()
+            )
         outcome = StepOutcome(
             step=committed,
             quorum_id=plan.quorum_id,
@@ -433,6 +440,8 @@ class Manager:
         now = time.monotonic()
         if interval is None or now - self._positions_recorded < interval.total_seconds():
             return False
+        if self._position_record is not None and not self._position_record.done():
+            return False  # the previous one is still on its way: the next interval catches up
         self._positions_recorded = now
         return True
 
@@ -689,6 +698,9 @@ class Manager:
             self._watch_stream.cancel()
         if self.group.is_leader:
             if self.config.position_record_interval is not None and self.step > 0:
+                if self._position_record is not None:
+                    with contextlib.suppress(Exception):
+                        self._position_record.result(timeout=_RECORD_WAIT_S)
                 self._peer_state.record_positions(self.step, self.positions)
             try:
                 self._quorum.leave(self.config.replica_id, self._incarnation)
