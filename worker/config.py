@@ -59,8 +59,8 @@ class ManagerConfig:
 
     control_plane_grace: timedelta | None = timedelta(milliseconds=300)
     """How long the leader waits for an unreachable quorum service before training the step on
-    the previous quorum (only in the steady state; see `Manager._fallback_plan` for why that is
-    safe). None: always wait for the service."""
+    the previous quorum (only in the steady state; `worker.plan.fallback_payload` says why that
+    is safe). None: always wait for the service."""
     health_address: str | None = None
     """`host:port` of this host's health node agent (or the central health service); None sends
     no telemetry. Telemetry never slows or breaks training."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import threading
@@ -21,15 +20,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 
 from services.quorum.client import (
     QuorumClient,
-    QuorumUnavailableError,
     RankEndpoint,
-    StaleIncarnationError,
     WatchStream,
 )
 from worker.config import ManagerConfig
@@ -42,10 +38,10 @@ from worker.peer_state import PeerState, StateFetchError
 from worker.plan import (
     StepPlan,
     decode_plan,
-    encode_failure,
-    encode_quorum,
+    fallback_payload,
     steady_max_step,
 )
+from worker.quorum_link import QuorumLink
 from worker.replica_group import ReplicaGroup
 from worker.state import fingerprint, load_state_tensors, state_tensors
 from worker.telemetry import StepTelemetry
@@ -153,7 +149,6 @@ class Manager:
             ftar_config = dataclasses.replace(ftar_config, auth_key=ring_key(config.token))
         self._ring = FtarRing(ftar_config)
         self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
-        self._quorum = QuorumClient(config.quorum_address, config.token)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
         self._pending: Future[bytes] | None = None
         self._plan: StepPlan | None = None
@@ -161,13 +156,7 @@ class Manager:
         """Leader: the last plan payload broadcast in full."""
         self._stop = threading.Event()
         self._watch_stream: WatchStream | None = None
-        self._lock = threading.Lock()
         self._endpoints = self._gather_endpoints()
-        self._incarnation = 0
-        self._last_contact = 0.0
-        """Leader: monotonic time a quorum request last went out or was answered."""
-        self._control_plane_down = False
-        """Leader: the last step went on without the quorum service (see `_fallback_plan`)."""
         self._step_started: float | None = None
         self._positions_recorded = -math.inf
         """Leader: monotonic time the data positions were last sent to the sidecar."""
@@ -180,13 +169,14 @@ class Manager:
             rank=group.rank,
             fingerprint_every_steps=config.fingerprint_every_steps,
         )
-        if group.is_leader:
-            self._incarnation = self._quorum.join(config.replica_id, self._endpoints)
+        self._link = QuorumLink(config, self._endpoints, self._stop) if group.is_leader else None
         self._restore_durable()
         self._threads = [threading.Thread(target=self._watch, name="fthsdp-watch", daemon=True)]
-        if group.is_leader:
+        if self._link is not None:
             self._threads.append(
-                threading.Thread(target=self._heartbeat, name="fthsdp-heartbeat", daemon=True)
+                threading.Thread(
+                    target=self._link.heartbeat_loop, name="fthsdp-heartbeat", daemon=True
+                )
             )
         for thread in self._threads:
             thread.start()
@@ -445,6 +435,15 @@ class Manager:
         self._positions_recorded = now
         return True
 
+    def _record_last_positions(self) -> None:
+        """Leader, on shutdown: the final positions, after the record before them (in order)."""
+        if self.step == 0:
+            return
+        if self._position_record is not None:
+            with contextlib.suppress(Exception):
+                self._position_record.result(timeout=_RECORD_WAIT_S)
+        self._peer_state.record_positions(self.step, self.positions)
+
     def _fetch(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
         """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
         self._faults.delay("slow_fetch", self.step)
@@ -472,79 +471,12 @@ class Manager:
     # ---- quorum --------------------------------------------------------------------------
 
     def _request_quorum(self, commit_failed: bool) -> bytes:
-        """Leader only: one quorum for this replica's step, as the broadcast payload."""
-        deadline = time.monotonic() + self.config.quorum_timeout.total_seconds()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stop.is_set():
-                return encode_failure("no quorum within quorum_timeout")
-            fallback = None if commit_failed else self._fallback_plan()
-            try:
-                self._last_contact = time.monotonic()
-                quorum = self._quorum.quorum(
-                    self.config.replica_id,
-                    self._incarnation,
-                    self.step,
-                    commit_failed=commit_failed,
-                    timeout=_seconds(remaining),
-                    unavailable_budget=None if fallback is None else self._grace(),
-                )
-                self._last_contact = time.monotonic()
-                self._control_plane_down = False
-                return encode_quorum(quorum, self.config.replica_id)
-            except QuorumUnavailableError as exc:
-                self._last_contact = 0.0  # nothing reached the service: heartbeats resume
-                if fallback is None:
-                    return encode_failure(f"quorum request failed: {exc}")
-                if not self._control_plane_down:
-                    log.warning(
-                        "quorum service unreachable; training on the previous quorum",
-                        extra=self._context(error=str(exc)),
-                    )
-                self._control_plane_down = True
-                return fallback
-            except StaleIncarnationError:
-                # Evicted, or the service restarted and forgot us: our state is still valid at
-                # our step, so join again as a new incarnation.
-                with self._lock:
-                    self._incarnation = self._quorum.join(self.config.replica_id, self._endpoints)
-                log.warning("rejoined the quorum", extra=self._context())
-            except TimeoutError:
-                continue
-            except Exception as exc:  # the broadcast must happen, or the other ranks hang
-                return encode_failure(f"quorum request failed: {exc}")
-
-    def _fallback_plan(self) -> bytes | None:
-        """Leader: the plan for this step without the quorum service, if that is safe.
-
-        Only in the steady state: the previous step committed on a quorum whose members were
-        all healthy (nobody recovering or serving), and this replica is at its next step. Then
-        every member that also cannot reach the service takes the same plan: the same ring
-        epoch, the same members, the step after. A commit needs every member of that ring to
-        finish the same exchange, so it happens only if all of them went on together, which
-        keeps the replicas identical (I1). A member that died, or one that did reach the
-        service and got a new epoch, breaks the ring: the exchange fails, nothing commits, and
-        the replica waits for the service as before. A minority cut off from the others can
-        therefore never commit on its own (I6), and no new epoch is ever made up locally
-        (I3): membership changes still need the service."""
-        plan, sent = self._plan, self._sent_plan
-        if self.config.control_plane_grace is None or plan is None or sent is None:
-            return None
-        # Members that reached the service meanwhile wait there for the ones that went on
-        # without it: such a mixed step cannot commit, so its exchange fails fast (see
-        # `_exchange_timeout`) and the replica asks the service like after any failed step.
-        steady = (
-            len(plan.healthy) == len(plan.ring_replicas)
-            and not plan.sources
-            and not plan.serve
-            and self.step == plan.max_step + 1
-        )
-        if not steady:
-            return None
-        body = json.loads(sent)
-        body["max_step"] = self.step
-        body["fallback"] = True
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        """Leader only, off the training thread: this step's quorum as the broadcast payload."""
+        assert self._link is not None
+        fallback = None
+        if not commit_failed and self.config.control_plane_grace is not None:
+            fallback = fallback_payload(self._plan, self._sent_plan, self.step)
+        return self._link.request(self.step, commit_failed=commit_failed, fallback=fallback)
 
     def _exchange_timeout(self, plan: StepPlan) -> float:
         """The configured bound, or on a step trained without the quorum service twice the
@@ -555,13 +487,6 @@ class Manager:
         if plan.fallback and grace is not None:
             return 2 * grace.total_seconds() + 0.5
         return self.config.exchange_timeout.total_seconds()
-
-    def _grace(self) -> timedelta:
-        """How long to wait for an unreachable quorum service: the configured grace, and after
-        one step went on without it, only one try of each instance (no extra wait per step)."""
-        grace = self.config.control_plane_grace
-        assert grace is not None
-        return timedelta(0) if self._control_plane_down else grace
 
     def _receive_plan(self) -> StepPlan:
         """The leader's quorum on every rank. In the steady state (only `max_step` moved on)
@@ -597,25 +522,6 @@ class Manager:
         self._ring.reconfigure(list(plan.ring), position, plan.quorum_id)
 
     # ---- background threads ----------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        """Beats only when no quorum request reached the service within the interval: asking
-        for a quorum (and waiting in one) counts as alive there, so while steps are faster than
-        the interval the per-step request is the heartbeat and this thread stays quiet."""
-        interval = self.config.heartbeat_interval.total_seconds()
-        delay = interval
-        while not self._stop.wait(delay):
-            quiet = time.monotonic() - self._last_contact
-            if quiet < interval:
-                delay = interval - quiet
-                continue
-            delay = interval
-            with self._lock:
-                incarnation = self._incarnation
-            try:
-                self._quorum.heartbeat(self.config.replica_id, incarnation)
-            except Exception as exc:  # the quorum request path rejoins; keep beating
-                log.debug("heartbeat failed: %s", exc, extra=self._context())
 
     def _watch(self) -> None:
         """Aborts the exchange as soon as the service evicts a replica of this rank's ring."""
@@ -696,21 +602,10 @@ class Manager:
             hook.remove()
         if self._watch_stream is not None:
             self._watch_stream.cancel()
-        if self.group.is_leader:
-            if self.config.position_record_interval is not None and self.step > 0:
-                if self._position_record is not None:
-                    with contextlib.suppress(Exception):
-                        self._position_record.result(timeout=_RECORD_WAIT_S)
-                self._peer_state.record_positions(self.step, self.positions)
-            try:
-                self._quorum.leave(self.config.replica_id, self._incarnation)
-            except Exception as exc:
-                log.debug("leave failed: %s", exc, extra=self._context())
+        if self.group.is_leader and self.config.position_record_interval is not None:
+            self._record_last_positions()
+        if self._link is not None:
+            self._link.close()
         self._ring.close()
-        self._quorum.close()
         self._telemetry.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _seconds(value: float) -> timedelta:
-    return timedelta(seconds=value)

@@ -44,7 +44,7 @@ class StepPlan:
     """Whether this replica is a source for some recovering replica (publish a snapshot)."""
     fallback: bool = False
     """The leader could not reach the quorum service and reused the previous quorum for this
-    step (see `Manager._fallback_plan`); its exchange gets a short timeout."""
+    step (see `fallback_payload`); its exchange gets a short timeout."""
 
     @property
     def num_healthy(self) -> int:
@@ -96,6 +96,38 @@ def steady_max_step(previous: bytes | None, payload: bytes) -> int | None:
     if old != new or not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None
     return step
+
+
+def fallback_payload(plan: StepPlan | None, sent: bytes | None, step: int) -> bytes | None:
+    """The payload for training `step` without the quorum service, if that is safe; `plan` and
+    `sent` are the replica's last plan and the last payload its leader broadcast in full.
+
+    Only in the steady state: the previous step committed on a quorum whose members were all
+    healthy (nobody recovering or serving), and this replica is at its next step. Then every
+    member that also cannot reach the service takes the same plan: the same ring epoch, the
+    same members, the step after. A commit needs every member of that ring to finish the same
+    exchange, so it happens only if all of them went on together, which keeps the replicas
+    identical (I1). A member that died, or one that did reach the service and got a new epoch,
+    breaks the ring: the exchange fails, nothing commits, and the replica waits for the service
+    as before. A minority cut off from the others can therefore never commit on its own (I6),
+    and no new epoch is ever made up locally (I3): membership changes still need the service.
+    Members that reached the service meanwhile wait there for the ones that went on without it:
+    such a mixed step cannot commit, so its exchange is cut short (`Manager._exchange_timeout`)
+    and the replica asks the service like after any failed step."""
+    if plan is None or sent is None:
+        return None
+    steady = (
+        len(plan.healthy) == len(plan.ring_replicas)
+        and not plan.sources
+        and not plan.serve
+        and step == plan.max_step + 1
+    )
+    if not steady:
+        return None
+    body = json.loads(sent)
+    body["max_step"] = step
+    body["fallback"] = True
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 class NoQuorumError(RuntimeError):

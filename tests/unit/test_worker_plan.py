@@ -10,6 +10,7 @@ from worker.plan import (
     decode_plan,
     encode_failure,
     encode_quorum,
+    fallback_payload,
     steady_max_step,
 )
 
@@ -77,3 +78,39 @@ def test_only_a_moved_step_is_a_steady_plan() -> None:
     assert steady_max_step(before, encode_quorum(QUORUM, "r1")) is None  # other sources
     assert steady_max_step(before, encode_failure("gone")) is None
     assert steady_max_step(encode_failure("gone"), before) is None
+
+
+STEADY = Quorum(
+    quorum_id=9,
+    members=(_member("r0", 5), _member("r1", 5)),
+    max_step=5,
+    healthy=("r0", "r1"),
+    sources={},
+)
+
+
+def test_a_steady_replica_may_go_on_without_the_service_on_the_same_ring() -> None:
+    sent = encode_quorum(STEADY, "r0")
+    plan = decode_plan(sent, replica_id="r0", rank=0)
+    payload = fallback_payload(plan, sent, 6)
+    assert payload is not None
+    fallback = decode_plan(payload, replica_id="r0", rank=1)
+    assert fallback.fallback and fallback.max_step == 6
+    assert (fallback.quorum_id, fallback.ring, fallback.healthy) == (
+        9,
+        decode_plan(sent, replica_id="r0", rank=1).ring,
+        ("r0", "r1"),
+    )  # no epoch or membership is made up locally (I3)
+
+
+def test_no_fallback_outside_the_steady_state() -> None:
+    sent = encode_quorum(STEADY, "r0")
+    plan = decode_plan(sent, replica_id="r0", rank=0)
+    assert fallback_payload(None, sent, 6) is None  # no plan yet
+    assert fallback_payload(plan, None, 6) is None
+    assert fallback_payload(plan, sent, 5) is None  # the last step did not commit
+    assert fallback_payload(plan, sent, 7) is None
+    recovering = encode_quorum(QUORUM, "r0")  # r1 recovers from r0 and r2 (they serve)
+    for replica in ("r0", "r1"):
+        mixed = decode_plan(recovering, replica_id=replica, rank=0)
+        assert fallback_payload(mixed, recovering, 6) is None

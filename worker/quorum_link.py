@@ -1,0 +1,132 @@
+"""The replica leader's link to the quorum service (DESIGN.md step 1).
+
+Rank 0 of a replica joins the service, asks for each step's quorum (off the training thread,
+while the forward pass runs), heartbeats whenever no request has reached the service for a
+heartbeat interval, and joins again as a new incarnation after an eviction or a service
+restart. When no instance of the service answers within `control_plane_grace`, a request that
+was given a fallback plan returns it, so the step goes on on the previous quorum where that is
+safe (`worker.plan.fallback_payload` says when). What a request returns is the payload the leader
+broadcasts inside its replica: a quorum, or an error that every rank raises."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+
+from services.quorum.client import (
+    QuorumClient,
+    QuorumUnavailableError,
+    RankEndpoint,
+    StaleIncarnationError,
+)
+from worker.config import ManagerConfig
+from worker.plan import encode_failure, encode_quorum
+
+log = logging.getLogger(__name__)
+
+
+class QuorumLink:
+    """One replica leader's requests, heartbeats and membership with the quorum service."""
+
+    def __init__(
+        self, config: ManagerConfig, endpoints: list[RankEndpoint], stop: threading.Event
+    ) -> None:
+        """Joins the service (raises if it cannot be reached)."""
+        self._config = config
+        self._endpoints = endpoints
+        self._stop = stop
+        self._client = QuorumClient(config.quorum_address, config.token)
+        self._lock = threading.Lock()
+        self._incarnation = self._client.join(config.replica_id, endpoints)
+        self._last_contact = 0.0
+        """Monotonic time a quorum request last went out or was answered (0: none got through)."""
+        self._down = False
+        """The last step went on without the quorum service."""
+
+    @property
+    def incarnation(self) -> int:
+        """This replica's incarnation with the service (changes on a rejoin)."""
+        with self._lock:
+            return self._incarnation
+
+    def request(self, step: int, *, commit_failed: bool, fallback: bytes | None) -> bytes:
+        """The quorum for this replica at `step`, as the broadcast payload. With `fallback`,
+        an unreachable service is waited for only `control_plane_grace` (not at all again
+        while it stays down) before `fallback` is returned instead."""
+        replica = self._config.replica_id
+        deadline = time.monotonic() + self._config.quorum_timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stop.is_set():
+                return encode_failure("no quorum within quorum_timeout")
+            try:
+                self._last_contact = time.monotonic()
+                quorum = self._client.quorum(
+                    replica,
+                    self.incarnation,
+                    step,
+                    commit_failed=commit_failed,
+                    timeout=timedelta(seconds=remaining),
+                    unavailable_budget=None if fallback is None else self._grace(),
+                )
+                self._last_contact = time.monotonic()
+                self._down = False
+                return encode_quorum(quorum, replica)
+            except QuorumUnavailableError as exc:
+                self._last_contact = 0.0  # nothing reached the service: heartbeats resume
+                if fallback is None:
+                    return encode_failure(f"quorum request failed: {exc}")
+                if not self._down:
+                    log.warning(
+                        "quorum service unreachable; training on the previous quorum",
+                        extra=self._context(step=step, error=str(exc)),
+                    )
+                self._down = True
+                return fallback
+            except StaleIncarnationError:
+                # Evicted, or the service restarted and forgot us: our state is still valid at
+                # our step, so join again as a new incarnation.
+                with self._lock:
+                    self._incarnation = self._client.join(replica, self._endpoints)
+                log.warning("rejoined the quorum", extra=self._context(step=step))
+            except TimeoutError:
+                continue
+            except Exception as exc:  # the broadcast must happen, or the other ranks hang
+                return encode_failure(f"quorum request failed: {exc}")
+
+    def _grace(self) -> timedelta:
+        """How long to wait for an unreachable service: the configured grace, and after one
+        step went on without it, only one try of each instance (no extra wait per step)."""
+        grace = self._config.control_plane_grace
+        return timedelta(0) if self._down or grace is None else grace
+
+    def heartbeat_loop(self) -> None:
+        """Thread body until `stop`: beats only when no quorum request reached the service
+        within the interval. Asking for a quorum (and waiting in one) counts as alive there,
+        so while steps are faster than the interval the per-step request is the heartbeat and
+        this thread stays quiet."""
+        interval = self._config.heartbeat_interval.total_seconds()
+        delay = interval
+        while not self._stop.wait(delay):
+            quiet = time.monotonic() - self._last_contact
+            if quiet < interval:
+                delay = interval - quiet
+                continue
+            delay = interval
+            try:
+                self._client.heartbeat(self._config.replica_id, self.incarnation)
+            except Exception as exc:  # the quorum request path rejoins; keep beating
+                log.debug("heartbeat failed: %s", exc, extra=self._context())
+
+    def close(self) -> None:
+        """Leaves the quorum gracefully (best effort) and closes the channel."""
+        try:
+            self._client.leave(self._config.replica_id, self.incarnation)
+        except Exception as exc:
+            log.debug("leave failed: %s", exc, extra=self._context())
+        self._client.close()
+
+    def _context(self, **fields: object) -> dict[str, object]:
+        return {"replica_id": self._config.replica_id, "rank": 0, **fields}
