@@ -48,6 +48,10 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[QuorumError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.DEADLINE_EXCEEDED: QuorumTimeoutError,
     grpc.StatusCode.UNAVAILABLE: QuorumUnavailableError,
+    # Clients never cancel a unary call: CANCELLED is a server that stopped (a restart, a
+    # shutdown whose grace ran out) with the call in flight. Another try, or another instance,
+    # answers it.
+    grpc.StatusCode.CANCELLED: QuorumUnavailableError,
     grpc.StatusCode.ABORTED: SupersededRequestError,
 }
 _EVENT_KINDS: dict[pb.EventKind.ValueType, EventKind] = {

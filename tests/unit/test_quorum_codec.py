@@ -17,6 +17,7 @@ from services.quorum.client_types import (
     Member,
     Quorum,
     QuorumTimeoutError,
+    QuorumUnavailableError,
     RankEndpoint,
     StaleIncarnationError,
     UnknownReplicaError,
@@ -86,6 +87,10 @@ def test_errors_map_by_kind_then_by_code() -> None:
     assert isinstance(timeout, QuorumTimeoutError)
     assert isinstance(timeout, TimeoutError)
     assert isinstance(codec.error_from_status(grpc.StatusCode.DATA_LOSS, "", None), InternalError)
+    # A server stopping with the call in flight cancels it: retried like a refusal, never an
+    # answer (a replica leader that took it as one would stop its replica).
+    cancelled = codec.error_from_status(grpc.StatusCode.CANCELLED, "", None)
+    assert isinstance(cancelled, QuorumUnavailableError)
     code, _, message = status_for(RuntimeError("secret detail"))
     assert code == grpc.StatusCode.INTERNAL
     assert "secret" not in message
