@@ -258,3 +258,51 @@ def test_write_report_writes_json(run_dir: Path, tmp_path: Path) -> None:
 def test_missing_run_dir_raises(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         build_report(tmp_path / "nope")
+
+
+def test_a_restart_of_every_replica_from_the_durable_checkpoint_is_a_rollback(
+    tmp_path: Path,
+) -> None:
+    """All three replicas die after committing step 5 and go on from the checkpoint of step 3
+    (no launcher rollback event: restart policy `replica`); r0 and r1 train steps 3-5 again
+    without r2, which catches up at step 6. The first run of steps 3-5 is history no more: I2
+    holds and nothing is an inconsistency."""
+    lines: list[tuple[float, str, dict[str, Any]]] = []
+    positions = dict.fromkeys(ALL, 0)
+
+    def commit(t: float, step: int, loggers: list[str], contributing: list[str]) -> None:
+        trained = {}
+        for r in contributing:
+            trained[r] = [positions[r], positions[r] + SPS]
+            positions[r] += SPS
+        for r in loggers:
+            recovered = r not in contributing
+            lines.append((t, r, {"event": "commit", "step": step, "quorum_id": 1,
+                                 "healthy": contributing, "recovered": recovered,
+                                 "trained": trained, "loss": 1.0, "tokens": 0,
+                                 "attempts": 1, "seconds": {}}))  # fmt: skip
+
+    for r in ALL:
+        lines.append((T0, r, {"event": "start", "incarnation": 0, "step": 0}))
+    for step in range(6):
+        commit(T0 + 1 + step, step, ALL, ALL)
+    positions = dict.fromkeys(ALL, 3 * SPS)  # the durable checkpoint of step 3
+    for r in ALL:
+        lines.append((T0 + 10, r, {"event": "start", "incarnation": 1, "step": 3}))
+    for step in (3, 4, 5):
+        commit(T0 + 11 + step, step, ["r0", "r1"], ["r0", "r1"])
+    commit(T0 + 17, 6, ALL, ["r0", "r1"])  # r2 catches up
+    commit(T0 + 18, 7, ALL, ALL)
+    (tmp_path / "replicas").mkdir()
+    sup = [{"t": T0, "event": "run", "replicas": ALL, "world_size": 1, "kill_every_s": 5.0,
+            "kill_mode": "process", "seed": 0, "samples_per_step": SPS, "total_replicas": 3},
+           {"t": T0 + 20, "event": "end"}]  # fmt: skip
+    (tmp_path / "supervisor.jsonl").write_text("".join(json.dumps(e) + "\n" for e in sup))
+    for r in ALL:
+        mine = [{"t": t, "replica": r, **e} for t, who, e in lines if who == r]
+        text = "".join(json.dumps(e) + "\n" for e in sorted(mine, key=lambda e: e["t"]))
+        (tmp_path / "replicas" / f"{r}.jsonl").write_text(text)
+    report = build_report(tmp_path)
+    assert report["inconsistencies"] == []
+    assert report["invariants"]["I2"]["ok"], report["invariants"]["I2"]
+    assert report["summary"]["rolled_back_replica_steps"] == 9  # steps 3-5 of r0, r1, r2
