@@ -458,20 +458,20 @@ class _Ledger:
     """Replica-steps committed, then thrown away by a rollback to a durable checkpoint."""
 
 
-def _unannounced_rollbacks(log: RunLog) -> list[float]:
+def _unannounced_rollbacks(log: RunLog, commits: list[CommitEvent]) -> list[float]:
     """Rollbacks no launcher announced: every replica was lost at once and the job went on from
-    its last durable checkpoint (restart policy `replica`). One shows as a commit two or more
-    steps behind one already made, by a replica that started again, at or below that step,
-    after it: replicas of one quorum commit within a step of each other, so nothing else goes
-    back. Its time starts the new generation (it is the first commit of it)."""
+        its last durable checkpoint (restart policy `replica`). One shows as a commit two or more
+        steps behind one already made, by a replica that started again, at or below that step,
+        after it: replicas of one quorum commit within a step of each other, so nothing else goes
+        back. Its time starts the new generation (it is the first commit of it). `commits` are the
+    log's commits in time order."""
     starts = [e for events in log.replicas.values() for e in events if isinstance(e, StartEvent)]
     times: list[float] = []
     frontier, frontier_t = -1, float("-inf")
-    for c in log.commits():
-        restarted = any(
+    for c in commits:
+        if c.step <= frontier - 2 and any(
             s.replica == c.replica and frontier_t < s.t < c.t and s.step <= c.step for s in starts
-        )
-        if c.step <= frontier - 2 and restarted:
+        ):
             times.append(c.t)
             frontier = c.step
         if c.step >= frontier:
@@ -485,7 +485,8 @@ def _ledger(log: RunLog) -> _Ledger:
     # for every contributor; keeping the first witness and comparing the rest finds disagreement.
     # After a rollback only the latest generation of a step is history.
     commits = log.commits()
-    rollbacks = sorted([e.t for e in log.of_type(RollbackEvent)] + _unannounced_rollbacks(log))
+    announced = [e.t for e in log.of_type(RollbackEvent)]
+    rollbacks = sorted(announced + _unannounced_rollbacks(log, commits))
     generation = {id(c): bisect.bisect_right(rollbacks, c.t) for c in commits}
     latest: dict[int, int] = {}
     for c in commits:

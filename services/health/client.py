@@ -144,12 +144,6 @@ class TelemetryClient:
         item = ("step", step, started_at, duration_s, tokens, sum_seq_len_sq, committed)
         self._put((*item, exchange_wait_s))
 
-    def collective(
-        self, group: str, seq: int, op: str, *, started_at: float, ended_at: float | None = None
-    ) -> None:
-        """This rank's entry into (ended_at None) or whole passage through a collective."""
-        self._put(("collective", group, seq, op, started_at, ended_at))
-
     def enter_collective(self, group: str, seq: int, op: str, *, started_at: float) -> None:
         """This rank is now inside a collective (one at a time). Nothing is queued: a collective
         still open at a flush is sent as an entry (once), and `leave_collective` queues the whole

@@ -67,7 +67,7 @@ async def test_records_arrive_batched_with_heartbeats_carrying_progress(
         now = time.time()
         for step in range(200):
             client.step(step, started_at=now, duration_s=0.01, tokens=8, sum_seq_len_sq=64)
-        client.collective("replica:r0", 1, "allreduce", started_at=now)
+        client.enter_collective("replica:r0", 1, "allreduce", started_at=now)
         client.fingerprint(199, "abc")
 
         def all_arrived() -> bool:

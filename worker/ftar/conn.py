@@ -75,11 +75,11 @@ def dial(address: str, timeout: float, buffer_bytes: int) -> socket.socket:
 
 
 def read_hello(
-    sock: socket.socket, timeout: float, max_ring_size: int, key: bytes, challenge: bytes
+    sock: socket.socket, max_ring_size: int, key: bytes, challenge: bytes
 ) -> tuple[wire.Hello, bytes]:
-    """Read and validate a HELLO (bounded sizes before any allocation) and check its proof
-    against `challenge`; returns it with the connector's nonce (the ACK's proof covers it)."""
-    sock.settimeout(timeout)
+    """Read (under the socket's timeout) and validate a HELLO, bounded sizes before any
+    allocation, and check its proof against `challenge`; returns it with the connector's nonce
+    (the ACK's proof covers it)."""
     head = bytearray(wire.HELLO_PREFIX_SIZE)
     wire.recv_exact(sock, memoryview(head))
     epoch, position, size, alen = wire.Hello.decode_prefix(bytes(head), max_ring_size)

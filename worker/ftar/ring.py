@@ -547,11 +547,10 @@ class FtarRing:
             try:
                 conn.tune(sock, 0)
                 challenge = auth.new_nonce()
-                timeout = self.config.connect_timeout.total_seconds()
-                sock.settimeout(timeout)
+                sock.settimeout(self.config.connect_timeout.total_seconds())
                 sock.sendall(wire.Challenge(challenge).encode())
                 hello, nonce = conn.read_hello(
-                    sock, timeout, self.config.max_ring_size, self.config.auth_key, challenge
+                    sock, self.config.max_ring_size, self.config.auth_key, challenge
                 )
             except (OSError, FtarError) as exc:
                 log.warning("ftar rejected a connection: %r", exc, extra=self._ctx())
