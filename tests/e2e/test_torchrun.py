@@ -23,6 +23,7 @@ import pytest
 
 from deploy.demo.eventlog import EventLog
 from deploy.demo.report import CommitEvent, FinalEvent, RunLog, build_report
+from deploy.demo.train import STOP_CHECK_STEPS
 from deploy.processes import free_port
 from deploy.stack import LocalStack
 
@@ -210,9 +211,11 @@ def test_torchrun_replicas_survive_a_rank_kill_and_catch_up(
         for c in _commits(run_dir)
         if c.replica == "r0" and killed_at < c.t and c.healthy == ("r0",)
     ]
-    # Stop both a few steps after r1 trained with r0 again (the stop file is read every 10 steps).
+    # Stop both a few steps after r1 trained with r0 again.
     _wait_for("r1 to train again", both_at(max(c.step for c in alone) + 3), 30, [r0, r1])
-    stop_at = max(c.step for c in _commits(run_dir)) + 5
+    # Far enough ahead that both leaders read the file (every STOP_CHECK_STEPS) before
+    # reaching it: one that read it only past that step would stop later than the other.
+    stop_at = max(c.step for c in _commits(run_dir)) + 2 * STOP_CHECK_STEPS + 5
     staging = run_dir / "stop.json.tmp"
     staging.write_text(json.dumps({"stop_at_step": stop_at}))
     staging.replace(run_dir / "stop.json")
