@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from services.checkpoint.client import (
+from fthsdp.services.checkpoint.client import (
     FetchedSnapshot,
     SnapshotPublisher,
     Source,
@@ -60,7 +60,7 @@ FETCHER = r"""
 import os, sys, time
 os.nice(19)  # the fetcher stands for a remote host: it must not steal the source's CPU here
 from datetime import timedelta
-from services.checkpoint.client import Source, fetch_snapshot
+from fthsdp.services.checkpoint.client import Source, fetch_snapshot
 url, token, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 print("started", flush=True)
 end = time.monotonic() + seconds
@@ -88,7 +88,7 @@ def make_state(total_bytes: int) -> dict[str, torch.Tensor]:
 
 def start_sidecar(shm: Path, durable: Path, token: str) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, FTHSDP_TOKEN=token, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "services.checkpoint", "--port", "0", "--shm-dir", str(shm)]
+    cmd = [sys.executable, "-m", "fthsdp.services.checkpoint", "--port", "0", "--shm-dir", str(shm)]
     cmd += ["--durable-dir", str(durable), "--retain-snapshots", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None

@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from deploy.demo.corpus import CharDataset
-    from deploy.demo.model import TinyGPTConfig, build_model
-    from worker.data import ShardSpec
+    from fthsdp.deploy.demo.corpus import CharDataset
+    from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
+    from fthsdp.worker.data import ShardSpec
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -135,7 +135,7 @@ def run_ddp(
     with log_path.open("ab") as log_file:
         for g in range(world):
             argv = [
-                sys.executable, "-m", "bench.ddp_baseline",
+                sys.executable, "-m", "fthsdp.bench.ddp_baseline",
                 "--rank", str(g), "--world-size", str(world),
                 "--replicas", str(replicas), "--ranks", str(ranks),
                 "--init-method", init, "--steps", str(steps), "--warmup", str(warmup),

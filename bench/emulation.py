@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.health.core import HealthCore
-from services.health.telemetry import (
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
     Heartbeat,

@@ -13,10 +13,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.emulation import EmulatedJob, Fault, FaultKind, core_sink, drive, replica_name
-from services.health.core import HealthCore
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import Incident, IncidentKind
+from fthsdp.bench.emulation import EmulatedJob, Fault, FaultKind, core_sink, drive, replica_name
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import Incident, IncidentKind
 
 EXPECTED = {
     FaultKind.KILL: IncidentKind.FAIL_STOP,

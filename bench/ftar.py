@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # typed; dist re-exports them
 
-from worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
+from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
@@ -210,7 +210,7 @@ def _run_ring(n: int, args: argparse.Namespace) -> dict[str, Any]:
     argv = [
         sys.executable,
         "-m",
-        "bench.ftar",
+        "fthsdp.bench.ftar",
         "--worker",
         "--world",
         str(n),

@@ -37,16 +37,16 @@ from typing import Any
 
 import grpc
 
-from bench.quorum_failover import run_failover
-from deploy.local_redis import LocalRedis
-from services.quorum.client import (
+from fthsdp.bench.quorum_failover import run_failover
+from fthsdp.deploy.local_redis import LocalRedis
+from fthsdp.services.quorum.client import (
     CHANNEL_OPTIONS,
     AsyncQuorumClient,
     QuorumDecodeCache,
     RankEndpoint,
 )
-from services.quorum.config import QuorumConfig
-from services.quorum.server import QuorumServer
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.server import QuorumServer
 
 HEARTBEAT_TIMEOUT = timedelta(seconds=1)
 BEAT_EVERY = 0.25  # seconds; a leader beats only when it made no call for this long

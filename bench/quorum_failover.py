@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
-from deploy.local_redis import LocalRedis
-from services.quorum.client import AsyncQuorumClient, RankEndpoint
+from fthsdp.deploy.local_redis import LocalRedis
+from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
 
 REPLICAS = 4
 RANKS = (RankEndpoint(ftar="127.0.0.1:1", checkpoint="http://127.0.0.1:2"),)
@@ -44,7 +44,7 @@ class QuorumProcess:
     ) -> None:
         # The Redis URL (with its password) and the token travel in the environment.
         env = {**os.environ, "FTHSDP_TOKEN": token, "FTHSDP_QUORUM_REDIS_URL": redis_url}
-        argv = [sys.executable, "-m", "services.quorum", "--port", "0", "--admin-port", "0"]
+        argv = [sys.executable, "-m", "fthsdp.services.quorum", "--port", "0", "--admin-port", "0"]
         argv += ["--redis-prefix", prefix, "--lease-ttl-ms", str(lease_ttl_ms)]
         argv += ["--log-level", "ERROR"]
         self.proc = subprocess.Popen(

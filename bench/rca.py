@@ -33,11 +33,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench import faults, wire
-from bench.emulation import EmulatedJob, Fault, FaultKind, Record, core_sink, drive
-from services.health.core import HealthCore
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import Heartbeat
+from fthsdp.bench import faults, wire
+from fthsdp.bench.emulation import EmulatedJob, Fault, FaultKind, Record, core_sink, drive
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import Heartbeat
 
 HANG_TIMEOUT_S = 10.0
 

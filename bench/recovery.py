@@ -62,11 +62,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.ddp_baseline import run_ddp
-from deploy.demo.report import CommitEvent, RestartEvent, RunLog
-from deploy.demo.run import DemoConfig, run_demo
+from fthsdp.bench.ddp_baseline import run_ddp
+from fthsdp.deploy.demo.report import CommitEvent, RestartEvent, RunLog
+from fthsdp.deploy.demo.run import DemoConfig, run_demo
 
-log = logging.getLogger("bench.recovery")
+log = logging.getLogger("fthsdp.bench.recovery")
 
 TARGET_DETECTION_S = 1.0
 """DESIGN.md: failure → new quorum within 1 s."""
@@ -689,9 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mach["load_avg_end"] = _load()
     result: dict[str, Any] = {
         "benchmark": "recovery",
-        "command": shlex.join([sys.executable, "-m", "bench.recovery", *sys.argv[1:]])
+        "command": shlex.join([sys.executable, "-m", "fthsdp.bench.recovery", *sys.argv[1:]])
         if argv is None
-        else shlex.join(["python", "-m", "bench.recovery", *argv]),
+        else shlex.join(["python", "-m", "fthsdp.bench.recovery", *argv]),
         "settings": {
             k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
         },

@@ -37,15 +37,15 @@ from typing import Any
 
 import grpc
 
-from bench.emulation import EmulatedJob, Record
-from protos import health_pb2 as pb
-from services.common.tokens import Token
-from services.health.client_codec import batch_from_pb
-from services.health.config import HealthConfig
-from services.health.core import HealthCore
-from services.health.detectors.config import DetectorConfig
-from services.health.runner import HealthNode
-from services.health.telemetry import CollectiveRecord, StepRecord
+from fthsdp.bench.emulation import EmulatedJob, Record
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_codec import batch_from_pb
+from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.telemetry import CollectiveRecord, StepRecord
 
 REPORT = "/fthsdp.v1.HealthService/Report"
 REPLICAS_PER_CLIENT = 4

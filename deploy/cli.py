@@ -10,9 +10,9 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from deploy import status_cmd
-from deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
-from deploy.up import add_up_parser, run_up_command
+from fthsdp.deploy import status_cmd
+from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
+from fthsdp.deploy.up import add_up_parser, run_up_command
 
 
 def _positive_seconds(text: str) -> timedelta:
@@ -113,7 +113,7 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from deploy.demo.run import DemoConfig, run_demo
+    from fthsdp.deploy.demo.run import DemoConfig, run_demo
 
     config = DemoConfig(
         replicas=args.replicas,

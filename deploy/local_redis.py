@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from deploy.processes import free_port
+from fthsdp.deploy.processes import free_port
 
 
 def redis_binary() -> str | None:

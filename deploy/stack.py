@@ -21,14 +21,14 @@ from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
-from deploy.local_redis import LocalRedis
-from deploy.probe import http_ok
-from deploy.processes import ManagedProcess, ServiceSpec, free_port
-from services.common.tokens import load_token
-from services.quorum.client import QuorumClient
-from services.quorum.config import QuorumConfig
-from services.quorum.server import QuorumServerThread
-from services.quorum.store import InMemoryStore, clock_epoch_floor
+from fthsdp.deploy.local_redis import LocalRedis
+from fthsdp.deploy.probe import http_ok
+from fthsdp.deploy.processes import ManagedProcess, ServiceSpec, free_port
+from fthsdp.services.common.tokens import load_token
+from fthsdp.services.quorum.client import QuorumClient
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.server import QuorumServerThread
+from fthsdp.services.quorum.store import InMemoryStore, clock_epoch_floor
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Sidecar:
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_dir = shm_dir
         argv = [
-            sys.executable, "-m", "services.checkpoint",
+            sys.executable, "-m", "fthsdp.services.checkpoint",
             "--port", str(self.port),
             "--shm-dir", str(shm_dir),
             "--durable-dir", str(durable_dir),
@@ -200,7 +200,7 @@ class LocalStack:
         for name in ("quorum-a", "quorum-b"):
             port, admin = free_port(), free_port()
             argv = [
-                sys.executable, "-m", "services.quorum",
+                sys.executable, "-m", "fthsdp.services.quorum",
                 "--port", str(port),
                 "--admin-port", str(admin),
                 "--token-file", str(self._token_file),
@@ -269,7 +269,7 @@ class LocalStack:
 
     def _health_spec(self, name: str, mode: str, grpc: int, http: int, *extra: str) -> ServiceSpec:
         argv = [
-            sys.executable, "-m", "services.health",
+            sys.executable, "-m", "fthsdp.services.health",
             "--mode", mode,
             "--port", str(grpc),
             "--http-port", str(http),

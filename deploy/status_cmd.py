@@ -10,9 +10,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from services.common.tokens import load_token
-from services.health.client_http import HealthClient
-from services.health.client_types import HealthError
+from fthsdp.services.common.tokens import load_token
+from fthsdp.services.health.client_http import HealthClient
+from fthsdp.services.health.client_types import HealthError
 
 DEFAULT_URL = "http://127.0.0.1:7461"
 

@@ -50,8 +50,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from deploy.probe import http_ok
-from deploy.processes import (
+from fthsdp.deploy.probe import http_ok
+from fthsdp.deploy.processes import (
     GaveUp,
     ManagedProcess,
     RestartPolicy,
@@ -59,7 +59,7 @@ from deploy.processes import (
     Supervisor,
     free_port,
 )
-from services.common.tokens import load_token
+from fthsdp.services.common.tokens import load_token
 
 ENV_FILE_NAME = "fthsdp.env"
 STATE_FILE_NAME = "services.json"
@@ -164,7 +164,7 @@ class UpConfig:
 def health_available() -> bool:
     """Whether this checkout has the health service (`python -m services.health`)."""
     try:
-        return importlib.util.find_spec("services.health.__main__") is not None
+        return importlib.util.find_spec("fthsdp.services.health.__main__") is not None
     except ImportError:
         return False
 
@@ -283,7 +283,7 @@ def _quorum_specs(
     specs = []
     for name, port, admin in instances:
         argv = [
-            config.python, "-m", "services.quorum",
+            config.python, "-m", "fthsdp.services.quorum",
             "--host", config.host,
             "--port", str(port),
             "--admin-port", str(admin),
@@ -326,7 +326,7 @@ def _checkpoint_spec(
     redis_url: str | None,
 ) -> ServiceSpec:
     argv = [
-        config.python, "-m", "services.checkpoint",
+        config.python, "-m", "fthsdp.services.checkpoint",
         "--host", config.host,
         "--port", str(port),
         "--shm-dir", str(shm),
@@ -357,7 +357,7 @@ def _health_spec(
     redis_url: str | None,
 ) -> ServiceSpec:
     argv = [
-        config.python, "-m", "services.health",
+        config.python, "-m", "fthsdp.services.health",
         "--mode", "central",
         "--host", config.host,
         "--port", str(ports["health_port"]),
@@ -412,16 +412,20 @@ def plan_stack(
     token_file: Path,
     *,
     with_health: bool,
-    redis_modules: Collection[str] = ("services.quorum", "services.checkpoint", "services.health"),
+    redis_modules: Collection[str] = (
+        "fthsdp.services.quorum",
+        "fthsdp.services.checkpoint",
+        "fthsdp.services.health",
+    ),
 ) -> Stack:
     """Every child `up` starts, with its ports resolved, and the env file's contents.
 
     `redis_modules` are the services that accept `--redis-url`; the others run on their
     embedded stores (and the plan says so), except the quorum service: a leader + standby whose
     instances ignored Redis would be two leaders (split brain), so that is a ValueError."""
-    if config.replicated_quorum and "services.quorum" not in redis_modules:
+    if config.replicated_quorum and "fthsdp.services.quorum" not in redis_modules:
         raise ValueError(
-            "services.quorum does not accept --redis-url in this checkout: leader + standby "
+            "fthsdp.services.quorum does not accept --redis-url in this checkout: leader + standby "
             "need it (run without --redis)"
         )
     skipped: list[str] = []
@@ -462,7 +466,7 @@ def plan_stack(
         ports["checkpoint_port"],
         shm,
         durable,
-        _if_capable("services.checkpoint", redis_url, redis_modules, skipped),
+        _if_capable("fthsdp.services.checkpoint", redis_url, redis_modules, skipped),
     )
     services.append(checkpoint)
     summary.append(f"checkpoint  {checkpoint.addresses['http']}  (durable {durable})")
@@ -478,7 +482,7 @@ def plan_stack(
             token_file,
             ports,
             quorum_list,
-            _if_capable("services.health", redis_url, redis_modules, skipped),
+            _if_capable("fthsdp.services.health", redis_url, redis_modules, skipped),
         )
         services.append(health)
         env["FTHSDP_HEALTH"] = f"{advertise}:{ports['health_port']}"
@@ -646,8 +650,10 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
     with_health = health_available()
     redis_modules: set[str] = set()
     if config.replicated_quorum:
-        modules = ["services.quorum", "services.checkpoint"]
-        redis_modules = redis_capable(config.python, modules + ["services.health"] * with_health)
+        modules = ["fthsdp.services.quorum", "fthsdp.services.checkpoint"]
+        redis_modules = redis_capable(
+            config.python, modules + ["fthsdp.services.health"] * with_health
+        )
     stack = plan_stack(config, token_file, with_health=with_health, redis_modules=redis_modules)
     for line in stack.skipped:
         report(f"skipped {line}")

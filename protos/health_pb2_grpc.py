@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import health_pb2 as protos_dot_health__pb2
+from fthsdp.protos import health_pb2 as fthsdp_dot_protos_dot_health__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/health_pb2_grpc.py depends on'
+        + ' but the generated code in fthsdp/protos/health_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class HealthServiceStub:
         """
         self.Report = channel.unary_unary(
                 '/fthsdp.v1.HealthService/Report',
-                request_serializer=protos_dot_health__pb2.ReportRequest.SerializeToString,
-                response_deserializer=protos_dot_health__pb2.ReportResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_health__pb2.ReportRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_health__pb2.ReportResponse.FromString,
                 _registered_method=True)
 
 
@@ -58,8 +58,8 @@ def add_HealthServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
-                    request_deserializer=protos_dot_health__pb2.ReportRequest.FromString,
-                    response_serializer=protos_dot_health__pb2.ReportResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_health__pb2.ReportRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_health__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,8 +88,8 @@ class HealthService:
             request,
             target,
             '/fthsdp.v1.HealthService/Report',
-            protos_dot_health__pb2.ReportRequest.SerializeToString,
-            protos_dot_health__pb2.ReportResponse.FromString,
+            fthsdp_dot_protos_dot_health__pb2.ReportRequest.SerializeToString,
+            fthsdp_dot_protos_dot_health__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

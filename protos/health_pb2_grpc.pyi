@@ -14,8 +14,8 @@ so hosts need not agree on the time. Fields are only ever added, never renumbere
 """
 
 from collections import abc as _abc
+from fthsdp.protos import health_pb2 as _health_pb2
 from grpc import aio as _aio
-from protos import health_pb2 as _health_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

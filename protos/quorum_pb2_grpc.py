@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import quorum_pb2 as protos_dot_quorum__pb2
+from fthsdp.protos import quorum_pb2 as fthsdp_dot_protos_dot_quorum__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/quorum_pb2_grpc.py depends on'
+        + ' but the generated code in fthsdp/protos/quorum_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,38 +37,38 @@ class QuorumServiceStub:
         """
         self.Join = channel.unary_unary(
                 '/fthsdp.v1.QuorumService/Join',
-                request_serializer=protos_dot_quorum__pb2.JoinRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.JoinResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.JoinRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.JoinResponse.FromString,
                 _registered_method=True)
         self.Quorum = channel.unary_unary(
                 '/fthsdp.v1.QuorumService/Quorum',
-                request_serializer=protos_dot_quorum__pb2.QuorumRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.QuorumResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.QuorumRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.QuorumResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/fthsdp.v1.QuorumService/Heartbeat',
-                request_serializer=protos_dot_quorum__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.HeartbeatResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.ReportFailure = channel.unary_unary(
                 '/fthsdp.v1.QuorumService/ReportFailure',
-                request_serializer=protos_dot_quorum__pb2.ReportFailureRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.ReportFailureResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.ReportFailureResponse.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/fthsdp.v1.QuorumService/Leave',
-                request_serializer=protos_dot_quorum__pb2.LeaveRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.LeaveResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.LeaveResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/fthsdp.v1.QuorumService/Status',
-                request_serializer=protos_dot_quorum__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.StatusResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.StatusRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/fthsdp.v1.QuorumService/Watch',
-                request_serializer=protos_dot_quorum__pb2.WatchRequest.SerializeToString,
-                response_deserializer=protos_dot_quorum__pb2.WatchResponse.FromString,
+                request_serializer=fthsdp_dot_protos_dot_quorum__pb2.WatchRequest.SerializeToString,
+                response_deserializer=fthsdp_dot_protos_dot_quorum__pb2.WatchResponse.FromString,
                 _registered_method=True)
 
 
@@ -130,38 +130,38 @@ def add_QuorumServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=protos_dot_quorum__pb2.JoinRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.JoinResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.JoinRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.JoinResponse.SerializeToString,
             ),
             'Quorum': grpc.unary_unary_rpc_method_handler(
                     servicer.Quorum,
-                    request_deserializer=protos_dot_quorum__pb2.QuorumRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.QuorumResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.QuorumRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.QuorumResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protos_dot_quorum__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.HeartbeatRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.HeartbeatResponse.SerializeToString,
             ),
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
-                    request_deserializer=protos_dot_quorum__pb2.ReportFailureRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.ReportFailureResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.ReportFailureRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.ReportFailureResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=protos_dot_quorum__pb2.LeaveRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.LeaveResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.LeaveRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.LeaveResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_quorum__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.StatusRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.StatusResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=protos_dot_quorum__pb2.WatchRequest.FromString,
-                    response_serializer=protos_dot_quorum__pb2.WatchResponse.SerializeToString,
+                    request_deserializer=fthsdp_dot_protos_dot_quorum__pb2.WatchRequest.FromString,
+                    response_serializer=fthsdp_dot_protos_dot_quorum__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,8 +190,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/Join',
-            protos_dot_quorum__pb2.JoinRequest.SerializeToString,
-            protos_dot_quorum__pb2.JoinResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.JoinRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.JoinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -217,8 +217,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/Quorum',
-            protos_dot_quorum__pb2.QuorumRequest.SerializeToString,
-            protos_dot_quorum__pb2.QuorumResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.QuorumRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.QuorumResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -244,8 +244,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/Heartbeat',
-            protos_dot_quorum__pb2.HeartbeatRequest.SerializeToString,
-            protos_dot_quorum__pb2.HeartbeatResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.HeartbeatRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -271,8 +271,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/ReportFailure',
-            protos_dot_quorum__pb2.ReportFailureRequest.SerializeToString,
-            protos_dot_quorum__pb2.ReportFailureResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.ReportFailureRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.ReportFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -298,8 +298,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/Leave',
-            protos_dot_quorum__pb2.LeaveRequest.SerializeToString,
-            protos_dot_quorum__pb2.LeaveResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.LeaveRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -325,8 +325,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/Status',
-            protos_dot_quorum__pb2.StatusRequest.SerializeToString,
-            protos_dot_quorum__pb2.StatusResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.StatusRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -352,8 +352,8 @@ class QuorumService:
             request,
             target,
             '/fthsdp.v1.QuorumService/Watch',
-            protos_dot_quorum__pb2.WatchRequest.SerializeToString,
-            protos_dot_quorum__pb2.WatchResponse.FromString,
+            fthsdp_dot_protos_dot_quorum__pb2.WatchRequest.SerializeToString,
+            fthsdp_dot_protos_dot_quorum__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

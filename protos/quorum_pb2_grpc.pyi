@@ -8,8 +8,8 @@ every step. Fields are only ever added, never renumbered.
 """
 
 from collections import abc as _abc
+from fthsdp.protos import quorum_pb2 as _quorum_pb2
 from grpc import aio as _aio
-from protos import quorum_pb2 as _quorum_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -4,7 +4,7 @@ and restartable with its data). `tests/conftest.py` starts one per test that ask
 
 from __future__ import annotations
 
-from deploy.local_redis import LocalRedis as RedisServer
-from deploy.local_redis import redis_binary
+from fthsdp.deploy.local_redis import LocalRedis as RedisServer
+from fthsdp.deploy.local_redis import redis_binary
 
 __all__ = ["RedisServer", "redis_binary"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from worker.ftar import FtarRing, FtarWork, RecoverableFtarError
-from worker.replica_group import ReplicaGroup
+from fthsdp.worker.ftar import FtarRing, FtarWork, RecoverableFtarError
+from fthsdp.worker.replica_group import ReplicaGroup
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

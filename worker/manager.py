@@ -23,28 +23,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.quorum.client import (
+from fthsdp.services.quorum.client import (
     QuorumClient,
     RankEndpoint,
     WatchStream,
 )
-from worker.config import ManagerConfig
-from worker.data import DataPositions
-from worker.exchange import GradientExchange
-from worker.faults import FaultPlan
-from worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
-from worker.ftar.auth import ring_key
-from worker.peer_state import PeerState, StateFetchError
-from worker.plan import (
+from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.data import DataPositions
+from fthsdp.worker.exchange import GradientExchange
+from fthsdp.worker.faults import FaultPlan
+from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
+from fthsdp.worker.ftar.auth import ring_key
+from fthsdp.worker.peer_state import PeerState, StateFetchError
+from fthsdp.worker.plan import (
     StepPlan,
     decode_plan,
     fallback_payload,
     steady_max_step,
 )
-from worker.quorum_link import QuorumLink
-from worker.replica_group import ReplicaGroup
-from worker.state import fingerprint, load_state_tensors, state_tensors
-from worker.telemetry import StepTelemetry
+from fthsdp.worker.quorum_link import QuorumLink
+from fthsdp.worker.replica_group import ReplicaGroup
+from fthsdp.worker.state import fingerprint, load_state_tensors, state_tensors
+from fthsdp.worker.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 

@@ -13,18 +13,18 @@ from datetime import timedelta
 
 import torch
 
-from services.checkpoint.client import (
+from fthsdp.services.checkpoint.client import (
     SnapshotPublisher,
     latest_checkpoint,
     put_position,
     request_durable,
 )
-from services.checkpoint.client_errors import CheckpointError, ConflictError, NotFoundError
-from services.checkpoint.client_fetch import Source, fetch_checkpoint, fetch_snapshot
-from services.common.backoff import Backoff, sleep_before_retry
-from worker.config import ManagerConfig
-from worker.data import DataPositions
-from worker.plan import Source as PlanSource
+from fthsdp.services.checkpoint.client_errors import CheckpointError, ConflictError, NotFoundError
+from fthsdp.services.checkpoint.client_fetch import Source, fetch_checkpoint, fetch_snapshot
+from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.data import DataPositions
+from fthsdp.worker.plan import Source as PlanSource
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.quorum.client import Quorum
+from fthsdp.services.quorum.client import Quorum
 
 _MAX_PAYLOAD_BYTES = 16 << 20
 

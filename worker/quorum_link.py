@@ -15,14 +15,14 @@ import threading
 import time
 from datetime import timedelta
 
-from services.quorum.client import (
+from fthsdp.services.quorum.client import (
     QuorumClient,
     QuorumUnavailableError,
     RankEndpoint,
     StaleIncarnationError,
 )
-from worker.config import ManagerConfig
-from worker.plan import encode_failure, encode_quorum
+from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.plan import encode_failure, encode_quorum
 
 log = logging.getLogger(__name__)
 

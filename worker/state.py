@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from worker.exchange import local
+from fthsdp.worker.exchange import local
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"

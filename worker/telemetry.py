@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from services.common.tokens import Token
-from services.health.client import TelemetryClient
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client import TelemetryClient
 
 
 class StepTelemetry:

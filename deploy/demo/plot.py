@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from deploy.demo.report import RunLog, analyse, build_report
+from fthsdp.deploy.demo.report import RunLog, analyse, build_report
 
 _MODE_COLORS = {"process": "tab:red", "replica": "tab:purple", "hang": "tab:orange"}
 

@@ -18,12 +18,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from deploy.demo.eventlog import EventLog
-from deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
-from deploy.stack import LocalStack
-from services.health.client_http import HealthClient
-from services.quorum.client import QuorumClient
-from worker.faults import parse_faults
+from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
+from fthsdp.deploy.stack import LocalStack
+from fthsdp.services.health.client_http import HealthClient
+from fthsdp.services.quorum.client import QuorumClient
+from fthsdp.worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +155,9 @@ def _watch(stack: LocalStack, view: _QuorumView, stop: threading.Event) -> None:
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Runs the demo and returns the report (also written to `run_dir/report.json`)."""
-    from deploy.demo.plot import write_plot
-    from deploy.demo.report import build_report
-    from deploy.demo.view import LiveView, run_live
+    from fthsdp.deploy.demo.plot import write_plot
+    from fthsdp.deploy.demo.report import build_report
+    from fthsdp.deploy.demo.view import LiveView, run_live
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.demo.eventlog import EventLog
-from deploy.processes import free_port
+from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.processes import free_port
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ReplicaCommand:
         return [
             sys.executable,
             "-m",
-            "deploy.demo.train",
+            "fthsdp.deploy.demo.train",
             "--run-dir",
             str(self.run_dir),
             "--replica-id",

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from deploy.demo.corpus import CharDataset
-from deploy.demo.eventlog import EventLog
-from deploy.demo.model import TinyGPTConfig, build_model
-from services.common.tokens import load_token
-from worker.config import ManagerConfig
-from worker.data import ExactlyOnceLoader, ShardSpec
-from worker.faults import FaultPlan
-from worker.ftar import FtarConfig
-from worker.manager import Manager, StepOutcome
-from worker.replica_group import ReplicaGroup
+from fthsdp.deploy.demo.corpus import CharDataset
+from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
+from fthsdp.services.common.tokens import load_token
+from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.data import ExactlyOnceLoader, ShardSpec
+from fthsdp.worker.faults import FaultPlan
+from fthsdp.worker.ftar import FtarConfig
+from fthsdp.worker.manager import Manager, StepOutcome
+from fthsdp.worker.replica_group import ReplicaGroup
 
 log = logging.getLogger("fthsdp.demo")
 

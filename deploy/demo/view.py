@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from deploy.demo.report import (
+from fthsdp.deploy.demo.report import (
     CommitEvent,
     Event,
     ExitEvent,

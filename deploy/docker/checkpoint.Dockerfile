@@ -11,6 +11,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# fthsdp/ is the installed namespace: its __init__ and links to the directories copied here
+COPY fthsdp/ fthsdp/
 COPY protos/ protos/
 COPY services/ services/
 COPY deploy/__init__.py deploy/probe.py deploy/
@@ -35,7 +37,7 @@ EXPOSE 7470
 # Drains on SIGTERM itself and forks nothing: PID 1 without an init is correct.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-m", "deploy.probe", "http://127.0.0.1:7470/readyz"]
+    CMD ["python", "-m", "fthsdp.deploy.probe", "http://127.0.0.1:7470/readyz"]
 ENTRYPOINT ["fthsdp-checkpoint"]
 # Port 7470, not the service's own default: the health service's central default is 7460/7461,
 # and on a host that runs both (Slurm's first node, `fthsdp up`) they must not collide.

@@ -11,6 +11,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# fthsdp/ is the installed namespace: its __init__ and links to the directories copied here
+COPY fthsdp/ fthsdp/
 COPY protos/ protos/
 COPY services/ services/
 COPY deploy/__init__.py deploy/probe.py deploy/
@@ -31,8 +33,8 @@ EXPOSE 7460 7461
 # Drains on SIGTERM itself and forks nothing: PID 1 without an init is correct.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-m", "deploy.probe", "http://127.0.0.1:7461/readyz"]
-ENTRYPOINT ["python", "-m", "services.health"]
+    CMD ["python", "-m", "fthsdp.deploy.probe", "http://127.0.0.1:7461/readyz"]
+ENTRYPOINT ["python", "-m", "fthsdp.services.health"]
 # Central mode on 0.0.0.0 (reachable on the container network); the quorum list and Redis URL
 # come from the deployment (compose command, Kubernetes args).
 CMD ["--mode", "central", "--host", "0.0.0.0", "--port", "7460", "--http-port", "7461"]

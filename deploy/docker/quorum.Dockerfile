@@ -11,6 +11,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# fthsdp/ is the installed namespace: its __init__ and links to the directories copied here
+COPY fthsdp/ fthsdp/
 COPY protos/ protos/
 COPY services/ services/
 COPY deploy/__init__.py deploy/probe.py deploy/
@@ -33,7 +35,7 @@ EXPOSE 7450 7451
 # runs as PID 1 directly; it forks nothing, so there are no zombies to reap.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-m", "deploy.probe", "http://127.0.0.1:7451/livez"]
+    CMD ["python", "-m", "fthsdp.deploy.probe", "http://127.0.0.1:7451/livez"]
 ENTRYPOINT ["fthsdp-quorum"]
 # 0.0.0.0 on purpose: inside a container the service must be reachable on the container network.
 # The token comes from FTHSDP_TOKEN (an env file) or FTHSDP_TOKEN_FILE (a mounted secret).

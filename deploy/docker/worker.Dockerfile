@@ -12,6 +12,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# fthsdp/ is the installed namespace: its __init__ and links to the directories copied here
+COPY fthsdp/ fthsdp/
 COPY protos/ protos/
 COPY services/ services/
 COPY worker/ worker/
@@ -41,6 +43,6 @@ STOPSIGNAL SIGTERM
 # A replica is healthy while its leader keeps committing steps (one JSON line each): a stale log
 # means a hang. FTHSDP_REPLICA_ID names the replica (the deployment sets it).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
-    CMD python -m deploy.probe --fresh "/data/run/replicas/${FTHSDP_REPLICA_ID:-r0}.jsonl" --max-age-s 300
+    CMD python -m fthsdp.deploy.probe --fresh "/data/run/replicas/${FTHSDP_REPLICA_ID:-r0}.jsonl" --max-age-s 300
 ENTRYPOINT ["tini", "--", "torchrun"]
 CMD ["--help"]

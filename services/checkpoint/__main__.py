@@ -17,9 +17,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.server import CheckpointServer
-from services.common.tokens import load_token
+from fthsdp.services.checkpoint.config import CheckpointConfig
+from fthsdp.services.checkpoint.server import CheckpointServer
+from fthsdp.services.common.tokens import load_token
 
 ENV_PREFIX = "FTHSDP_CHECKPOINT_"
 

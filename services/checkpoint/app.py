@@ -25,7 +25,7 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     CheckpointError,
     ConflictError,
     CorruptionError,
@@ -39,7 +39,7 @@ from services.checkpoint.client_errors import (
     SourceUnavailableError,
     UnauthorizedError,
 )
-from services.checkpoint.client_manifest import (
+from fthsdp.services.checkpoint.client_manifest import (
     ID_PATTERN,
     MAX_DIMS,
     MAX_STEP,
@@ -49,13 +49,13 @@ from services.checkpoint.client_manifest import (
     check_id,
     check_rank,
 )
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.core import PositionRecord, check_position, parse_range
-from services.checkpoint.durable import DurableStore, DurableWriter
-from services.checkpoint.snapshots import SnapshotRegistry
-from services.checkpoint.store import PositionStore
-from services.common.http_errors import error_response, install_error_handlers, status_in
-from services.common.tokens import Token
+from fthsdp.services.checkpoint.config import CheckpointConfig
+from fthsdp.services.checkpoint.core import PositionRecord, check_position, parse_range
+from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
+from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
+from fthsdp.services.checkpoint.store import PositionStore
+from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     CheckpointError,
     InvalidArgumentError,
     NotFoundError,
 )
-from services.checkpoint.client_fetch import (
+from fthsdp.services.checkpoint.client_fetch import (
     DTYPE_NAMES,
     FetchedSnapshot,
     Source,
@@ -31,8 +31,8 @@ from services.checkpoint.client_fetch import (
     fetch_snapshot,
     restore_latest,
 )
-from services.checkpoint.client_http import call_json
-from services.checkpoint.client_manifest import (
+from fthsdp.services.checkpoint.client_http import call_json
+from fthsdp.services.checkpoint.client_manifest import (
     Layout,
     check_id,
     check_meta,
@@ -40,8 +40,8 @@ from services.checkpoint.client_manifest import (
     check_step,
     plan_layout,
 )
-from services.common.backoff import Backoff, sleep_before_retry
-from services.common.tokens import Token
+from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.services.common.tokens import Token
 
 __all__ = [
     "DurableStatus",

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     CheckpointError,
     CorruptionError,
     GoneError,
@@ -31,9 +31,14 @@ from services.checkpoint.client_errors import (
     SourcesDisagreeError,
     SourceUnavailableError,
 )
-from services.checkpoint.client_http import BaseUrl, Connection, call_json, error_from_response
-from services.checkpoint.client_manifest import Manifest, check_id, check_rank, check_step
-from services.common.tokens import Token
+from fthsdp.services.checkpoint.client_http import (
+    BaseUrl,
+    Connection,
+    call_json,
+    error_from_response,
+)
+from fthsdp.services.checkpoint.client_manifest import Manifest, check_id, check_rank, check_step
+from fthsdp.services.common.tokens import Token
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

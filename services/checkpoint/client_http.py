@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     ERRORS_BY_CODE,
     CheckpointError,
     InvalidArgumentError,
@@ -24,8 +24,8 @@ from services.checkpoint.client_errors import (
     NotReadyError,
     UnauthorizedError,
 )
-from services.common.backoff import Backoff, sleep_before_retry
-from services.common.tokens import Token
+from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.services.common.tokens import Token
 
 MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 64 * 1024 * 1024

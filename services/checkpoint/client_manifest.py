@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.checkpoint.client_errors import InvalidArgumentError
+from fthsdp.services.checkpoint.client_errors import InvalidArgumentError
 
 FORMAT = "fthsdp.checkpoint.v1"
 CHECKSUM_ALGORITHM = "crc32"

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.checkpoint.client_errors import InvalidArgumentError, RangeNotSatisfiableError
-from services.checkpoint.client_manifest import INT64_MAX, INT64_MIN
+from fthsdp.services.checkpoint.client_errors import InvalidArgumentError, RangeNotSatisfiableError
+from fthsdp.services.checkpoint.client_manifest import INT64_MAX, INT64_MIN
 
 MAX_POSITION_KEYS = 64
 MAX_POSITION_KEY_CHARS = 128

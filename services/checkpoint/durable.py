@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.checkpoint.client_errors import CheckpointError, CorruptionError, NotFoundError
-from services.checkpoint.client_manifest import Manifest, check_id
-from services.checkpoint.core import (
+from fthsdp.services.checkpoint.client_errors import CheckpointError, CorruptionError, NotFoundError
+from fthsdp.services.checkpoint.client_manifest import Manifest, check_id
+from fthsdp.services.checkpoint.core import (
     checkpoint_steps_to_delete,
     choose_latest,
     parse_rank_dir,

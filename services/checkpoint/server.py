@@ -15,13 +15,13 @@ import time
 
 import uvicorn
 
-from services.checkpoint.app import Metrics, Services, create_app
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.durable import DurableStore, DurableWriter
-from services.checkpoint.snapshots import SnapshotRegistry
-from services.checkpoint.store import FilePositionStore, PositionStore
-from services.checkpoint.store_redis import RedisPositionStore
-from services.common.tokens import Token
+from fthsdp.services.checkpoint.app import Metrics, Services, create_app
+from fthsdp.services.checkpoint.config import CheckpointConfig
+from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
+from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
+from fthsdp.services.checkpoint.store import FilePositionStore, PositionStore
+from fthsdp.services.checkpoint.store_redis import RedisPositionStore
+from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 30.0

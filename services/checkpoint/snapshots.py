@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     ConflictError,
     GoneError,
     InvalidArgumentError,
     NotFoundError,
 )
-from services.checkpoint.client_manifest import (
+from fthsdp.services.checkpoint.client_manifest import (
     Layout,
     Manifest,
     TensorEntry,
@@ -34,8 +34,8 @@ from services.checkpoint.client_manifest import (
     check_rank,
     check_step,
 )
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.core import steps_to_collect
+from fthsdp.services.checkpoint.config import CheckpointConfig
+from fthsdp.services.checkpoint.core import steps_to_collect
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from services.checkpoint.client_errors import InvalidArgumentError
-from services.checkpoint.client_manifest import check_id, check_step
-from services.checkpoint.core import PositionRecord, PositionTimeline, check_position
+from fthsdp.services.checkpoint.client_errors import InvalidArgumentError
+from fthsdp.services.checkpoint.client_manifest import check_id, check_step
+from fthsdp.services.checkpoint.core import PositionRecord, PositionTimeline, check_position
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import cast
 
 import redis
 
-from services.checkpoint.client_errors import InvalidArgumentError
-from services.checkpoint.client_manifest import check_id, check_step
-from services.checkpoint.core import PositionRecord, check_position
+from fthsdp.services.checkpoint.client_errors import InvalidArgumentError
+from fthsdp.services.checkpoint.client_manifest import check_id, check_step
+from fthsdp.services.checkpoint.core import PositionRecord, check_position
 
 DEFAULT_PREFIX = "fthsdp:positions"
 DEFAULT_MAX_RECORDS = 100_000

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from services.common.tokens import Token
+from fthsdp.services.common.tokens import Token
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _MESSAGE = "missing or invalid bearer token"

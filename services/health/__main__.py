@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.common.cli import (
+from fthsdp.services.common.cli import (
     Flag,
     add_flags,
     config_values,
@@ -24,13 +24,13 @@ from services.common.cli import (
     flag_or_env,
     setup_logging,
 )
-from services.common.signals import wait_for_shutdown_signal
-from services.common.tokens import Token, load_token
-from services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
-from services.health.runner import HealthNode
-from services.health.server import SERVICE_NAME
+from fthsdp.services.common.signals import wait_for_shutdown_signal
+from fthsdp.services.common.tokens import Token, load_token
+from fthsdp.services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
+from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.server import SERVICE_NAME
 
-log = logging.getLogger("services.health")
+log = logging.getLogger("fthsdp.services.health")
 
 ENV_PREFIX = "FTHSDP_HEALTH_"
 

@@ -25,14 +25,20 @@ from typing import Any
 
 import grpc
 
-from protos import health_pb2_grpc as pb_grpc
-from services.common.tokens import Token
-from services.health.client_codec import NodeRank, NodeState, ReportBatch, batch_to_pb, restamp
-from services.health.config import HealthConfig
-from services.health.detectors.failstop import FailStopDetector
-from services.health.metrics import HealthMetrics
-from services.health.quorum_link import QuorumLink
-from services.health.telemetry import (
+from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_codec import (
+    NodeRank,
+    NodeState,
+    ReportBatch,
+    batch_to_pb,
+    restamp,
+)
+from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.detectors.failstop import FailStopDetector
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
     Incident,

@@ -31,11 +31,11 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.http_errors import error_response, install_error_handlers, status_in
-from services.common.tokens import Token
-from services.health.agent import NodeAgent
-from services.health.client_codec import incident_to_json
-from services.health.client_types import (
+from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.agent import NodeAgent
+from fthsdp.services.health.client_codec import incident_to_json
+from fthsdp.services.health.client_types import (
     MAX_CLOCK_VALUE,
     HealthAuthError,
     HealthError,
@@ -44,12 +44,12 @@ from services.health.client_types import (
     NotFoundError,
     UpstreamError,
 )
-from services.health.detectors.config import DetectorConfig
-from services.health.metrics import HealthMetrics
-from services.health.quorum_link import QuorumLink
-from services.health.service import CentralEngine
-from services.health.store import RECORD_KINDS, RecordKind
-from services.health.telemetry import IncidentKind
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.service import CentralEngine
+from fthsdp.services.health.store import RECORD_KINDS, RecordKind
+from fthsdp.services.health.telemetry import IncidentKind
 
 log = logging.getLogger(__name__)
 

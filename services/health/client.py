@@ -28,10 +28,10 @@ from typing import Any
 
 import grpc
 
-from protos import health_pb2 as pb
-from protos import health_pb2_grpc as pb_grpc
-from services.common.tokens import Token
-from services.health.client_types import (
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_types import (
     MAX_BATCH_RECORDS,
     MAX_MESSAGE_BYTES,
     MAX_OP_CHARS,

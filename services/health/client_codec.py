@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from protos import health_pb2 as pb
-from services.health.client_types import (
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.health.client_types import (
     MAX_BATCH_RECORDS,
     MAX_EVIDENCE_BYTES,
     MAX_NODE_RANKS,
@@ -29,7 +29,7 @@ from services.health.client_types import (
     check_text,
     check_time,
 )
-from services.health.telemetry import (
+from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
     Heartbeat,

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from services.common.tokens import Token
-from services.health.client_types import (
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_types import (
     HealthAuthError,
     HealthError,
     HealthTimeoutError,

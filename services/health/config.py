@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from services.health.client_types import MAX_BATCH_RECORDS, MAX_NAME_CHARS
+from fthsdp.services.health.client_types import MAX_BATCH_RECORDS, MAX_NAME_CHARS
 
 MAX_PORT = 65535
 Mode = Literal["central", "agent"]

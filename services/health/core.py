@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.health.detectors.collectives import CollectiveIndex
-from services.health.detectors.config import DetectorConfig
-from services.health.detectors.failslow import FailSlowDetector
-from services.health.detectors.failstop import FailStopDetector
-from services.health.detectors.hang import find_hangs
-from services.health.detectors.sdc import SdcDetector
-from services.health.detectors.slowrank import SlowRankDetector
-from services.health.telemetry import (
+from fthsdp.services.health.detectors.collectives import CollectiveIndex
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.detectors.failslow import FailSlowDetector
+from fthsdp.services.health.detectors.failstop import FailStopDetector
+from fthsdp.services.health.detectors.hang import find_hangs
+from fthsdp.services.health.detectors.sdc import SdcDetector
+from fthsdp.services.health.detectors.slowrank import SlowRankDetector
+from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
     Heartbeat,

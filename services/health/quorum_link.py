@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Literal
 
-from services.common.tokens import Token
-from services.health.client_types import UpstreamError
-from services.health.metrics import HealthMetrics
-from services.quorum.client import (
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_types import UpstreamError
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.quorum.client import (
     AsyncQuorumClient,
     QuorumError,
     QuorumUnavailableError,

@@ -13,16 +13,16 @@ import logging
 
 from fastapi import FastAPI
 
-from services.common.tokens import Token
-from services.health.agent import NodeAgent
-from services.health.app import ApiContext, HttpServer, create_agent_app, create_central_app
-from services.health.config import HealthConfig
-from services.health.detectors.config import DetectorConfig
-from services.health.metrics import HealthMetrics
-from services.health.quorum_link import QuorumLink
-from services.health.server import IngestServer, IngestSink
-from services.health.service import CentralEngine
-from services.health.store import InMemoryTelemetryStore, RedisTelemetryStore, TelemetryStore
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.agent import NodeAgent
+from fthsdp.services.health.app import ApiContext, HttpServer, create_agent_app, create_central_app
+from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.server import IngestServer, IngestSink
+from fthsdp.services.health.service import CentralEngine
+from fthsdp.services.health.store import InMemoryTelemetryStore, RedisTelemetryStore, TelemetryStore
 
 log = logging.getLogger(__name__)
 

@@ -19,18 +19,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import health_pb2 as pb
-from services.common.grpc_auth import BearerAuth
-from services.common.tokens import Token
-from services.health.client_codec import ReportBatch, batch_from_pb
-from services.health.client_types import (
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.common.grpc_auth import BearerAuth
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_codec import ReportBatch, batch_from_pb
+from fthsdp.services.health.client_types import (
     MAX_MESSAGE_BYTES,
     HealthAuthError,
     HealthError,
     HealthUnavailableError,
     InvalidReportError,
 )
-from services.health.metrics import HealthMetrics
+from fthsdp.services.health.metrics import HealthMetrics
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from services.health.client_codec import NodeState, ReportBatch, restamp
-from services.health.config import HealthConfig
-from services.health.core import HealthCore, ReplicaView
-from services.health.detectors.config import DetectorConfig
-from services.health.metrics import HealthMetrics
-from services.health.quorum_link import QuorumLink
-from services.health.store import TelemetryStore
-from services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
+from fthsdp.services.health.client_codec import NodeState, ReportBatch, restamp
+from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.core import HealthCore, ReplicaView
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.store import TelemetryStore
+from fthsdp.services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
 
 log = logging.getLogger(__name__)
 

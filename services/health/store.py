@@ -15,9 +15,9 @@ from typing import Any, Literal, Protocol, cast
 
 import redis.asyncio as aioredis
 
-from services.health.client_codec import incident_from_json, incident_to_json
-from services.health.client_types import InvalidReportError
-from services.health.telemetry import (
+from fthsdp.services.health.client_codec import incident_from_json, incident_to_json
+from fthsdp.services.health.client_types import InvalidReportError
+from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
     Incident,

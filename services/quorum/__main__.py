@@ -14,14 +14,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.common.cli import Flag, add_flags, config_values, setup_logging
-from services.common.signals import wait_for_shutdown_signal
-from services.common.tokens import Token, load_token
-from services.quorum.config import QuorumConfig
-from services.quorum.server import SERVICE_NAME, QuorumServer
-from services.quorum.store import InMemoryStore, clock_epoch_floor
+from fthsdp.services.common.cli import Flag, add_flags, config_values, setup_logging
+from fthsdp.services.common.signals import wait_for_shutdown_signal
+from fthsdp.services.common.tokens import Token, load_token
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.server import SERVICE_NAME, QuorumServer
+from fthsdp.services.quorum.store import InMemoryStore, clock_epoch_floor
 
-log = logging.getLogger("services.quorum")
+log = logging.getLogger("fthsdp.services.quorum")
 
 ENV_PREFIX = "FTHSDP_QUORUM_"
 _FLAGS: tuple[Flag, ...] = (

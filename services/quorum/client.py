@@ -22,13 +22,13 @@ from typing import Any, cast
 
 import grpc
 
-from protos import quorum_pb2 as pb
-from protos import quorum_pb2_grpc as pb_grpc
-from services.common.backoff import Backoff, sleep_before_retry
-from services.common.tokens import Token
-from services.quorum import client_codec as codec
-from services.quorum.client_failover import Failover, parse_addresses
-from services.quorum.client_types import (
+from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.protos import quorum_pb2_grpc as pb_grpc
+from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.quorum import client_codec as codec
+from fthsdp.services.quorum.client_failover import Failover, parse_addresses
+from fthsdp.services.quorum.client_types import (
     AuthError,
     EventKind,
     InternalError,

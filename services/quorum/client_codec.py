@@ -10,8 +10,8 @@ from types import MappingProxyType
 
 import grpc
 
-from protos import quorum_pb2 as pb
-from services.quorum.client_types import (
+from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.services.quorum.client_types import (
     AuthError,
     EventKind,
     InternalError,

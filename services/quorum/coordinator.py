@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.quorum import core
-from services.quorum.client_types import (
+from fthsdp.services.quorum import core
+from fthsdp.services.quorum.client_types import (
     EventKind,
     MembershipEvent,
     MemberStatus,
@@ -35,11 +35,11 @@ from services.quorum.client_types import (
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from services.quorum.config import QuorumConfig
-from services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
-from services.quorum.errors import InternalError, NotLeaderError, ShuttingDownError
-from services.quorum.metrics import QuorumMetrics
-from services.quorum.store import QuorumStore
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
+from fthsdp.services.quorum.errors import InternalError, NotLeaderError, ShuttingDownError
+from fthsdp.services.quorum.metrics import QuorumMetrics
+from fthsdp.services.quorum.store import QuorumStore
 
 log = logging.getLogger(__name__)
 

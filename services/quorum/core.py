@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from services.quorum.client_types import (
+from fthsdp.services.quorum.client_types import (
     InvalidRequestError,
     Member,
     Quorum,
@@ -28,7 +28,7 @@ from services.quorum.client_types import (
     StaleIncarnationError,
     UnknownReplicaError,
 )
-from services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.config import QuorumConfig
 
 MAX_ID_CHARS = 128
 MAX_WORLD_SIZE = 4096

@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from services.quorum.config import QuorumConfig
-from services.quorum.coordinator import Coordinator
-from services.quorum.errors import NotLeaderError
-from services.quorum.lease import Leadership, LeaseConfig, RedisLease
-from services.quorum.metrics import QuorumMetrics
-from services.quorum.store import InMemoryStore, QuorumStore
-from services.quorum.store_redis import RedisQuorumStore
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.coordinator import Coordinator
+from fthsdp.services.quorum.errors import NotLeaderError
+from fthsdp.services.quorum.lease import Leadership, LeaseConfig, RedisLease
+from fthsdp.services.quorum.metrics import QuorumMetrics
+from fthsdp.services.quorum.store import InMemoryStore, QuorumStore
+from fthsdp.services.quorum.store_redis import RedisQuorumStore
 
 log = logging.getLogger(__name__)
 

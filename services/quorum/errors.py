@@ -6,7 +6,7 @@ name for them. `server.ERROR_TABLE` maps each to a gRPC status; `client_codec` m
 
 from __future__ import annotations
 
-from services.quorum.client_types import (
+from fthsdp.services.quorum.client_types import (
     AuthError,
     InternalError,
     InvalidRequestError,

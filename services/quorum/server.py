@@ -22,12 +22,12 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import quorum_pb2 as pb
-from services.common.grpc_auth import BearerAuth
-from services.common.tokens import Token
-from services.quorum import client_codec as codec
-from services.quorum.admin import AdminServer
-from services.quorum.client_types import (
+from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.services.common.grpc_auth import BearerAuth
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.quorum import client_codec as codec
+from fthsdp.services.quorum.admin import AdminServer
+from fthsdp.services.quorum.client_types import (
     InternalError,
     InvalidRequestError,
     QuorumError,
@@ -36,13 +36,13 @@ from services.quorum.client_types import (
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from services.quorum.config import QuorumConfig
-from services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
-from services.quorum.core import Formation
-from services.quorum.election import CoordinatorSlot
-from services.quorum.errors import NotLeaderError, ShuttingDownError
-from services.quorum.metrics import QuorumMetrics
-from services.quorum.store import QuorumStore
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
+from fthsdp.services.quorum.core import Formation
+from fthsdp.services.quorum.election import CoordinatorSlot
+from fthsdp.services.quorum.errors import NotLeaderError, ShuttingDownError
+from fthsdp.services.quorum.metrics import QuorumMetrics
+from fthsdp.services.quorum.store import QuorumStore
 
 log = logging.getLogger(__name__)
 

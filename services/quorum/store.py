@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Protocol
 
-from services.quorum.core import QuorumRecord, Registration
+from fthsdp.services.quorum.core import QuorumRecord, Registration
 
 
 class QuorumStore(Protocol):

@@ -21,9 +21,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from services.quorum.client_types import RankEndpoint
-from services.quorum.core import QuorumRecord, Registration
-from services.quorum.errors import FencedError
+from fthsdp.services.quorum.client_types import RankEndpoint
+from fthsdp.services.quorum.core import QuorumRecord, Registration
+from fthsdp.services.quorum.errors import FencedError
 
 DEFAULT_PREFIX = "fthsdp:quorum"
 _FENCED = "FENCED"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deploy.demo.run import DemoConfig, run_demo
+from fthsdp.deploy.demo.run import DemoConfig, run_demo
 
 DemoRunner = Callable[..., dict[str, Any]]
 

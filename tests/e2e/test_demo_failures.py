@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from deploy.demo.report import RunLog
+from fthsdp.deploy.demo.report import RunLog
 from tests.e2e.conftest import DemoRunner
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.demo.eventlog import EventLog
-from deploy.demo.report import CommitEvent, FinalEvent, RunLog, build_report
-from deploy.demo.train import STOP_CHECK_STEPS
-from deploy.processes import free_port
-from deploy.stack import LocalStack
+from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.report import CommitEvent, FinalEvent, RunLog, build_report
+from fthsdp.deploy.demo.train import STOP_CHECK_STEPS
+from fthsdp.deploy.processes import free_port
+from fthsdp.deploy.stack import LocalStack
 
 pytestmark = [
     pytest.mark.e2e,
@@ -50,7 +50,7 @@ class TorchrunJob:
             "--nproc-per-node", str(RANKS),
             "--master-port", str(free_port()),
             "--max-restarts", "0",
-            "-m", "deploy.demo.train",
+            "-m", "fthsdp.deploy.demo.train",
             "--run-dir", str(run_dir),
             "--replica-id", replica,
             "--replica-index", str(REPLICAS.index(replica)),

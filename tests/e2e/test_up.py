@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from services.common.tokens import load_token
-from services.quorum.client import QuorumClient
-from services.quorum.client_types import RankEndpoint
+from fthsdp.services.common.tokens import load_token
+from fthsdp.services.quorum.client import QuorumClient
+from fthsdp.services.quorum.client_types import RankEndpoint
 from tests.redis_support import redis_binary
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +48,7 @@ class Up:
     def __init__(self, run_dir: Path, *extra: str) -> None:
         self.run_dir = run_dir
         self.log = run_dir.parent / "up.out"
-        argv = [sys.executable, "-m", "deploy.cli", "up", "--run-dir", str(run_dir)]
+        argv = [sys.executable, "-m", "fthsdp.deploy.cli", "up", "--run-dir", str(run_dir)]
         argv += ["--stop-grace-s", "10", *extra]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from services.quorum.config import QuorumConfig
-from services.quorum.server import QuorumServer, QuorumServerThread
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.server import QuorumServer, QuorumServerThread
 
 QuorumServerFactory = Callable[..., Awaitable[QuorumServer]]
 

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from services.health.client import TelemetryClient
+from fthsdp.services.health.client import TelemetryClient
 
 
 def main() -> int:

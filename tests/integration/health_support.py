@@ -10,12 +10,12 @@ from typing import Any
 
 import grpc
 
-from protos import health_pb2 as pb
-from protos import health_pb2_grpc as pb_grpc
-from services.health.config import HealthConfig
-from services.health.detectors.config import DetectorConfig
-from services.health.runner import HealthNode
-from services.health.store import TelemetryStore
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.store import TelemetryStore
 
 NodeFactory = Callable[..., Awaitable[HealthNode]]
 

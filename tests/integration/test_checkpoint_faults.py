@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from services.checkpoint.client import (
+from fthsdp.services.checkpoint.client import (
     SnapshotPublisher,
     Source,
     durable_status,
@@ -22,12 +22,12 @@ from services.checkpoint.client import (
     restore_latest,
     wait_durable,
 )
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     CorruptionError,
     SourcesDisagreeError,
     SourceUnavailableError,
 )
-from services.checkpoint.server import CheckpointServer
+from fthsdp.services.checkpoint.server import CheckpointServer
 from tests.integration.test_checkpoint_support import (
     CHUNK,
     JOB,

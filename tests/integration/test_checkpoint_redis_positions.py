@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.checkpoint.client import get_position, put_position
-from services.checkpoint.core import PositionRecord
-from services.checkpoint.server import CheckpointServer
-from services.checkpoint.store_redis import RedisPositionStore
+from fthsdp.services.checkpoint.client import get_position, put_position
+from fthsdp.services.checkpoint.core import PositionRecord
+from fthsdp.services.checkpoint.server import CheckpointServer
+from fthsdp.services.checkpoint.store_redis import RedisPositionStore
 from tests.integration.test_checkpoint_support import JOB, sidecars
 from tests.redis_support import RedisServer
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import torch
 
-from services.checkpoint import snapshots
-from services.checkpoint.client import (
+from fthsdp.services.checkpoint import snapshots
+from fthsdp.services.checkpoint.client import (
     SnapshotPublisher,
     Source,
     fetch_snapshot,
@@ -28,14 +28,14 @@ from services.checkpoint.client import (
     restore_latest,
     wait_durable,
 )
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.client_errors import (
     ConflictError,
     GoneError,
     InvalidArgumentError,
     NotFoundError,
     UnauthorizedError,
 )
-from services.checkpoint.server import CheckpointServer
+from fthsdp.services.checkpoint.server import CheckpointServer
 from tests.integration.test_checkpoint_support import (
     JOB,
     assert_bitwise_equal,

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.server import CheckpointServer
-from services.common.tokens import Token
+from fthsdp.services.checkpoint.config import CheckpointConfig
+from fthsdp.services.checkpoint.server import CheckpointServer
+from fthsdp.services.common.tokens import Token
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 * 1024
@@ -100,7 +100,7 @@ class SpawnedSidecar:
         self.shm_dir = root / "shm"
         self.durable_root = root / "durable"
         env = dict(os.environ, FTHSDP_TOKEN=token, PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "services.checkpoint", "--port", "0", "--nice", "0"]
+        cmd = [sys.executable, "-m", "fthsdp.services.checkpoint", "--port", "0", "--nice", "0"]
         cmd += ["--shm-dir", str(self.shm_dir), "--durable-dir", str(self.durable_root)]
         cmd += ["--chunk-bytes", str(CHUNK), "--max-range-bytes", str(16 * CHUNK), *extra]
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)

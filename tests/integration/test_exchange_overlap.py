@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fthsdp.worker.exchange import GradientExchange
+from fthsdp.worker.ftar import FtarRing
+from fthsdp.worker.replica_group import ReplicaGroup
 from tests.integration.test_ftar_support import FAST
-from worker.exchange import GradientExchange
-from worker.ftar import FtarRing
-from worker.replica_group import ReplicaGroup
 
 REPLICAS = 2
 RANKS = 2
@@ -136,8 +136,8 @@ def _sharded_manager(_index: int, tmp: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from worker.config import ManagerConfig
-    from worker.manager import Manager
+    from fthsdp.worker.config import ManagerConfig
+    from fthsdp.worker.manager import Manager
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
     try:

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fthsdp.worker.exchange import GradientExchange
+from fthsdp.worker.ftar import FtarRing
+from fthsdp.worker.replica_group import ReplicaGroup
 from tests.integration.test_exchange_overlap import RANKS, REPLICAS, TIMEOUT, _model, _peer_address
 from tests.integration.test_ftar_support import FAST
-from worker.exchange import GradientExchange
-from worker.ftar import FtarRing
-from worker.replica_group import ReplicaGroup
 
 
 def _grads(replica: int, rank: int) -> list[torch.Tensor]:

@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+from fthsdp.worker.ftar import FtarRing, FtarTimeoutError, RecoverableFtarError, auth, wire
 from tests.integration.test_ftar_support import FAST, exchange, reconfigure_all, ring_set
-from worker.ftar import FtarRing, FtarTimeoutError, RecoverableFtarError, auth, wire
 
 KEYED = dataclasses.replace(FAST, auth_key=auth.ring_key("job-a-token"))
 

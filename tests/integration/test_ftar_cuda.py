@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fthsdp.worker.ftar import FtarAbortedError
 from tests.integration.test_ftar_support import ring_set
-from worker.ftar import FtarAbortedError
 
 pytestmark = pytest.mark.cuda
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_ftar_support import FAST, exchange, reconfigure_all, ring_set, wait_for
-from worker.ftar import (
+from fthsdp.worker.ftar import (
     FtarAbortedError,
     FtarConfig,
     FtarRing,
     FtarTimeoutError,
     RecoverableFtarError,
 )
+from tests.integration.test_ftar_support import FAST, exchange, reconfigure_all, ring_set, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

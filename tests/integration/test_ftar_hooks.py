@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fthsdp.worker.ftar import FtarHookState, RecoverableFtarError, ftar_comm_hook
 from tests.integration.test_ftar_support import ring_set
-from worker.ftar import FtarHookState, RecoverableFtarError, ftar_comm_hook
 
 
 @pytest.fixture

@@ -11,6 +11,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fthsdp.worker.ftar import (
+    FatalFtarError,
+    FtarConfig,
+    FtarEpochMismatchError,
+    FtarError,
+    FtarLayoutMismatchError,
+    FtarRing,
+    RecoverableFtarError,
+)
 from tests.integration.test_ftar_support import (
     FAST,
     exchange,
@@ -19,15 +28,6 @@ from tests.integration.test_ftar_support import (
     reconfigure_all,
     ring_set,
     wait_for,
-)
-from worker.ftar import (
-    FatalFtarError,
-    FtarConfig,
-    FtarEpochMismatchError,
-    FtarError,
-    FtarLayoutMismatchError,
-    FtarRing,
-    RecoverableFtarError,
 )
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}

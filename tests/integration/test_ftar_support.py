@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from worker.ftar import FtarConfig, FtarRing, FtarWork
+from fthsdp.worker.ftar import FtarConfig, FtarRing, FtarWork
 
 FAST = FtarConfig(
     chunk_bytes=64,

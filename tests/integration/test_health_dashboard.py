@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from protos import health_pb2 as pb
+from fthsdp.protos import health_pb2 as pb
 from tests.integration.health_support import health_nodes, heartbeat, incident, report
 
 CHROMIUM = "/usr/bin/chromium"

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from services.health.detectors.config import DetectorConfig
-from services.health.runner import HealthNode
-from services.health.telemetry import Incident, IncidentKind
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.telemetry import Incident, IncidentKind
 from tests.integration.conftest import eventually
 from tests.integration.health_support import health_nodes
 

@@ -13,12 +13,12 @@ import grpc
 import httpx
 import pytest
 
-from protos import health_pb2 as pb
-from services.health.client import TelemetryClient
-from services.health.client_http import HealthClient
-from services.health.client_types import HealthAuthError, InvalidReportError
-from services.health.detectors.config import DetectorConfig
-from services.quorum.client import AsyncQuorumClient, RankEndpoint
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.health.client import TelemetryClient
+from fthsdp.services.health.client_http import HealthClient
+from fthsdp.services.health.client_types import HealthAuthError, InvalidReportError
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
 from tests.integration.conftest import QuorumServerFactory, eventually
 from tests.integration.health_support import (
     NodeFactory,

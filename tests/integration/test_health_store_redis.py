@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.health.store import RedisTelemetryStore
-from services.health.telemetry import Incident, IncidentKind, RankId, StepRecord
+from fthsdp.services.health.store import RedisTelemetryStore
+from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId, StepRecord
 from tests.redis_support import RedisServer
 
 

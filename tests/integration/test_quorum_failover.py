@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from bench.quorum_failover import QuorumProcess
-from services.quorum.client import AsyncQuorumClient, QuorumClient
-from services.quorum.client_failover import Failover, parse_addresses
-from services.quorum.client_types import QuorumUnavailableError, RankEndpoint
-from services.quorum.config import QuorumConfig
-from services.quorum.lease import RedisLease
-from services.quorum.server import QuorumServer
+from fthsdp.bench.quorum_failover import QuorumProcess
+from fthsdp.services.quorum.client import AsyncQuorumClient, QuorumClient
+from fthsdp.services.quorum.client_failover import Failover, parse_addresses
+from fthsdp.services.quorum.client_types import QuorumUnavailableError, RankEndpoint
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.lease import RedisLease
+from fthsdp.services.quorum.server import QuorumServer
 from tests.integration.conftest import eventually
 from tests.redis_support import RedisServer
 from tests.tcp_proxy import TcpProxy

@@ -9,12 +9,12 @@ from datetime import timedelta
 import pytest
 import redis.asyncio as aioredis
 
-from services.quorum.client_types import RankEndpoint
-from services.quorum.core import QuorumRecord, Registration
-from services.quorum.errors import FencedError
-from services.quorum.lease import RedisLease
-from services.quorum.store import InMemoryStore, QuorumStore
-from services.quorum.store_redis import RedisQuorumStore
+from fthsdp.services.quorum.client_types import RankEndpoint
+from fthsdp.services.quorum.core import QuorumRecord, Registration
+from fthsdp.services.quorum.errors import FencedError
+from fthsdp.services.quorum.lease import RedisLease
+from fthsdp.services.quorum.store import InMemoryStore, QuorumStore
+from fthsdp.services.quorum.store_redis import RedisQuorumStore
 from tests.redis_support import RedisServer
 
 PREFIX = "test:quorum"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.quorum.client import AsyncQuorumClient, MembershipEvent, Quorum, RankEndpoint
-from services.quorum.server import QuorumServer
+from fthsdp.services.quorum.client import AsyncQuorumClient, MembershipEvent, Quorum, RankEndpoint
+from fthsdp.services.quorum.server import QuorumServer
 from tests.integration.conftest import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ async def test_a_killed_client_does_not_count_in_the_round(
         script = (
             "import os, sys\n"
             "from datetime import timedelta\n"
-            "from services.quorum.client import QuorumClient\n"
+            "from fthsdp.services.quorum.client import QuorumClient\n"
             "c = QuorumClient(sys.argv[1], os.environ['FTHSDP_TOKEN'])\n"
             "c.quorum('c', int(sys.argv[2]), 0, timeout=timedelta(seconds=60))\n"
         )

@@ -21,9 +21,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import quorum_pb2 as pb
-from protos import quorum_pb2_grpc as pb_grpc
-from services.quorum.client import (
+from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.protos import quorum_pb2_grpc as pb_grpc
+from fthsdp.services.quorum.client import (
     AsyncQuorumClient,
     AuthError,
     InternalError,
@@ -36,7 +36,7 @@ from services.quorum.client import (
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from services.quorum.server import QuorumServer, QuorumServerThread
+from fthsdp.services.quorum.server import QuorumServer, QuorumServerThread
 from tests.integration.conftest import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,7 +290,15 @@ def test_command_line_prints_its_address_and_drains_on_sigterm(token: str) -> No
     env = {**os.environ, "FTHSDP_TOKEN": token, "FTHSDP_QUORUM_ADMIN_PORT": "0"}
     started_ms = time.time_ns() // 1_000_000
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.quorum", "--port", "0", "--heartbeat-timeout-ms", "800"],
+        [
+            sys.executable,
+            "-m",
+            "fthsdp.services.quorum",
+            "--port",
+            "0",
+            "--heartbeat-timeout-ms",
+            "800",
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -320,7 +328,7 @@ def test_command_line_prints_its_address_and_drains_on_sigterm(token: str) -> No
 def test_command_line_refuses_to_start_without_a_token() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTHSDP_")}
     result = subprocess.run(
-        [sys.executable, "-m", "services.quorum", "--port", "0"],
+        [sys.executable, "-m", "fthsdp.services.quorum", "--port", "0"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import rca
+from fthsdp.bench import rca
 
 
 def test_quick_run_writes_json(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -10,15 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.checkpoint.app import ERROR_STATUS, status_of
-from services.checkpoint.client_errors import (
+from fthsdp.services.checkpoint.app import ERROR_STATUS, status_of
+from fthsdp.services.checkpoint.client_errors import (
     ERRORS_BY_CODE,
     GoneError,
     InvalidArgumentError,
     RangeNotSatisfiableError,
 )
-from services.checkpoint.client_fetch import _Destination
-from services.checkpoint.client_manifest import (
+from fthsdp.services.checkpoint.client_fetch import _Destination
+from fthsdp.services.checkpoint.client_manifest import (
     ALIGN_BYTES,
     Layout,
     Manifest,
@@ -27,8 +27,8 @@ from services.checkpoint.client_manifest import (
     chunk_checksums,
     plan_layout,
 )
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.core import (
+from fthsdp.services.checkpoint.config import CheckpointConfig
+from fthsdp.services.checkpoint.core import (
     PositionRecord,
     PositionTimeline,
     check_position,

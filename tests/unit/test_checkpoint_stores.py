@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.checkpoint.client_manifest import Manifest, chunk_checksums, plan_layout
-from services.checkpoint.core import PositionRecord
-from services.checkpoint.durable import DurableStore
-from services.checkpoint.store import FilePositionStore, MemoryPositionStore, PositionStore
+from fthsdp.services.checkpoint.client_manifest import Manifest, chunk_checksums, plan_layout
+from fthsdp.services.checkpoint.core import PositionRecord
+from fthsdp.services.checkpoint.durable import DurableStore
+from fthsdp.services.checkpoint.store import FilePositionStore, MemoryPositionStore, PositionStore
 
 CHUNK = 4096
 

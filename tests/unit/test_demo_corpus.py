@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deploy.demo.corpus import CORPUS_PATH, CharDataset, generate_corpus, main
+from fthsdp.deploy.demo.corpus import CORPUS_PATH, CharDataset, generate_corpus, main
 
 
 @pytest.fixture(scope="module")

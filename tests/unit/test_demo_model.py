@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from deploy.demo.corpus import CharDataset
-from deploy.demo.model import TinyGPTConfig, build_model
+from fthsdp.deploy.demo.corpus import CharDataset
+from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.demo.plot import write_plot
-from deploy.demo.report import RunLog, build_report
+from fthsdp.deploy.demo.plot import write_plot
+from fthsdp.deploy.demo.report import RunLog, build_report
 from tests.unit.test_demo_report import SyntheticRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

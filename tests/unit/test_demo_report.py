@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from deploy.demo.report import JsonlTail, RunLog, StartEvent, build_report, write_report
+from fthsdp.deploy.demo.report import JsonlTail, RunLog, StartEvent, build_report, write_report
 
 T0 = 1000.0
 SPS = 8

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from deploy.demo.view import LiveView, run_live
+from fthsdp.deploy.demo.view import LiveView, run_live
 from tests.unit.test_demo_report import T0, SyntheticRun
 
 

@@ -91,7 +91,7 @@ def test_replicas_restart_on_their_own(compose: dict[str, Any]) -> None:
     for name, service in replicas.items():
         assert service["restart"] == "on-failure", name
         command = service["command"]
-        assert command[command.index("-m") + 1] == "deploy.demo.train", name
+        assert command[command.index("-m") + 1] == "fthsdp.deploy.demo.train", name
         replica_id = command[command.index("--replica-id") + 1]
         ids.add(replica_id)
         assert command[command.index("--total-replicas") + 1] == str(len(replicas)), name

@@ -21,17 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 # program -> (module, argv before --help) whose main() prints the help; run in this process (no
 # interpreter start per program; torch is imported once).
 PROGRAMS = {
-    "services.quorum": ("services.quorum.__main__", []),
-    "services.checkpoint": ("services.checkpoint.__main__", []),
-    "services.health": ("services.health.__main__", []),
-    "deploy.demo.train": ("deploy.demo.train", []),
+    "fthsdp.services.quorum": ("fthsdp.services.quorum.__main__", []),
+    "fthsdp.services.checkpoint": ("fthsdp.services.checkpoint.__main__", []),
+    "fthsdp.services.health": ("fthsdp.services.health.__main__", []),
+    "fthsdp.deploy.demo.train": ("fthsdp.deploy.demo.train", []),
     "torchrun": ("torch.distributed.run", []),
-    "fthsdp up": ("deploy.cli", ["up"]),
+    "fthsdp up": ("fthsdp.deploy.cli", ["up"]),
 }
 IMAGES = {
-    "quorum": "services.quorum",
-    "checkpoint": "services.checkpoint",
-    "health": "services.health",
+    "quorum": "fthsdp.services.quorum",
+    "checkpoint": "fthsdp.services.checkpoint",
+    "health": "fthsdp.services.health",
     "worker": "torchrun",
 }
 # Flags the deployment files use ahead of the code, each tracked by the issue that adds it. The
@@ -107,7 +107,7 @@ def _slurm() -> Iterator[tuple[str, list[str], str]]:
                 if word == "fthsdp" and words[at + 1 : at + 2] == ["up"]:
                     yield "fthsdp up", words[at + 2 :], path.name
                 elif word == "fthsdp-checkpoint":
-                    yield "services.checkpoint", words[at + 1 :], path.name
+                    yield "fthsdp.services.checkpoint", words[at + 1 :], path.name
                 elif word == "torchrun":
                     for program, tokens in _split_worker("torchrun", words[at + 1 :]):
                         yield program, tokens, path.name

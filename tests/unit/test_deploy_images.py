@@ -147,8 +147,8 @@ def test_health_check_runs_an_installed_probe(dockerfile: Path) -> None:
     stage = final_stage(parse(dockerfile))
     checks = [i.args for i in stage if i.keyword == "HEALTHCHECK"]
     assert len(checks) == 1, dockerfile.name
-    assert "python -m deploy.probe" in checks[0].replace('"', "").replace(",", "")
-    assert _module_in_repo("deploy.probe")
+    assert "python -m fthsdp.deploy.probe" in checks[0].replace('"', "").replace(",", "")
+    assert _module_in_repo("fthsdp.deploy.probe")
     copied = " ".join(i.args for i in parse(dockerfile) if i.keyword == "COPY")
     assert "deploy/probe.py" in copied or "deploy/ " in copied, "the probe must be in the image"
 

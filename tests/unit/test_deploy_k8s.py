@@ -14,7 +14,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from services.common.tokens import Token
+from fthsdp.services.common.tokens import Token
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

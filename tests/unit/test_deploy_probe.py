@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.probe import file_fresh, http_ok, main
+from fthsdp.deploy.probe import file_fresh, http_ok, main
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.processes import GaveUp, RestartPolicy, ServiceSpec, Supervisor
-from deploy.up import (
+from fthsdp.deploy.processes import GaveUp, RestartPolicy, ServiceSpec, Supervisor
+from fthsdp.deploy.up import (
     ENV_FILE_NAME,
     UpConfig,
     ensure_token_file,
@@ -22,9 +22,9 @@ from deploy.up import (
     render_env,
     run_up,
 )
-from services.common.tokens import load_token
+from fthsdp.services.common.tokens import load_token
 
-ALL = ("services.quorum", "services.checkpoint", "services.health")
+ALL = ("fthsdp.services.quorum", "fthsdp.services.checkpoint", "fthsdp.services.health")
 
 
 def _argv(stack_services: list[ServiceSpec], name: str) -> list[str]:
@@ -101,10 +101,10 @@ def test_redis_is_refused_when_the_quorum_service_cannot_use_it(tmp_path: Path) 
     config = UpConfig(run_dir=tmp_path, redis_url="redis://127.0.0.1:6379/0")
     token, _ = ensure_token_file(config, tmp_path)
     with pytest.raises(ValueError, match="leader"):
-        plan_stack(config, token, with_health=False, redis_modules=("services.checkpoint",))
-    stack = plan_stack(config, token, with_health=False, redis_modules=("services.quorum",))
+        plan_stack(config, token, with_health=False, redis_modules=("fthsdp.services.checkpoint",))
+    stack = plan_stack(config, token, with_health=False, redis_modules=("fthsdp.services.quorum",))
     assert "--redis-url" not in _argv(stack.services, "checkpoint")
-    assert any("services.checkpoint" in line for line in stack.skipped)
+    assert any("fthsdp.services.checkpoint" in line for line in stack.skipped)
 
 
 @pytest.mark.parametrize(

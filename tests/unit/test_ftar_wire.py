@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.ftar import FatalFtarError, FtarConfig, FtarPeerError, wire
-from worker.ftar.engine import FlatBuffer, RingPlan
+from fthsdp.worker.ftar import FatalFtarError, FtarConfig, FtarPeerError, wire
+from fthsdp.worker.ftar.engine import FlatBuffer, RingPlan
 
 
 @pytest.mark.parametrize(

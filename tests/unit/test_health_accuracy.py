@@ -16,11 +16,11 @@ from collections import defaultdict
 
 import pytest
 
-from bench.emulation import EmulatedJob, FaultKind, Workload, core_sink, drive
-from bench.faults import EXPECTED, Trial, is_correct, named, run_trials
-from services.health.core import HealthCore
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import Incident, IncidentKind
+from fthsdp.bench.emulation import EmulatedJob, FaultKind, Workload, core_sink, drive
+from fthsdp.bench.faults import EXPECTED, Trial, is_correct, named, run_trials
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import Incident, IncidentKind
 
 TRIALS_PER_KIND = 40
 RECALL_FLOOR = {

@@ -8,12 +8,12 @@ import asyncio
 import time
 from datetime import timedelta
 
-from services.common.tokens import Token
-from services.health.agent import NodeAgent
-from services.health.client_codec import ReportBatch
-from services.health.config import HealthConfig
-from services.health.metrics import HealthMetrics
-from services.health.telemetry import Heartbeat, RankId, StepRecord
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.agent import NodeAgent
+from fthsdp.services.health.client_codec import ReportBatch
+from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.telemetry import Heartbeat, RankId, StepRecord
 
 
 class FakeQuorum:

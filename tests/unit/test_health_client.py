@@ -12,11 +12,11 @@ from datetime import timedelta
 
 import pytest
 
-from services.common.tokens import Token
-from services.health.client import TelemetryClient
-from services.health.client_codec import ReportBatch
-from services.health.metrics import HealthMetrics
-from services.health.server import IngestServer
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client import TelemetryClient
+from fthsdp.services.health.client_codec import ReportBatch
+from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.server import IngestServer
 
 
 class RecordingSink:

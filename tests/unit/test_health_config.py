@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from services.health.__main__ import build_parser, resolve_config
-from services.health.config import HealthConfig
+from fthsdp.services.health.__main__ import build_parser, resolve_config
+from fthsdp.services.health.config import HealthConfig
 
 
 def test_defaults_are_loopback_and_valid() -> None:

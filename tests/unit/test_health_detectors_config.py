@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.detectors.config import DetectorConfig
 
 
 def test_round_trip() -> None:

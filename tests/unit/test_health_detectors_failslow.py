@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from services.health.detectors.config import DetectorConfig
-from services.health.detectors.failslow import FailSlowDetector, fit, predict
-from services.health.telemetry import RankId, StepRecord
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.detectors.failslow import FailSlowDetector, fit, predict
+from fthsdp.services.health.telemetry import RankId, StepRecord
 
 ALPHA, BETA, GAMMA = 2e-5, 1e-8, 0.05
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.health.detectors.failstop import FailStopDetector
-from services.health.telemetry import Heartbeat, IncidentKind, RankId
+from fthsdp.services.health.detectors.failstop import FailStopDetector
+from fthsdp.services.health.telemetry import Heartbeat, IncidentKind, RankId
 
 A = RankId(replica_id="r0", rank=0)
 B = RankId(replica_id="r1", rank=3)

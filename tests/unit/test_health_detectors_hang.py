@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.health.core import HealthCore
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import CollectiveRecord, IncidentKind, RankId
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import CollectiveRecord, IncidentKind, RankId
 
 CFG = DetectorConfig(hang_timeout_s=5.0)
 

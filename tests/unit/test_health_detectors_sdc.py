@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.health.detectors.config import DetectorConfig
-from services.health.detectors.sdc import SdcDetector
-from services.health.telemetry import Fingerprint
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.detectors.sdc import SdcDetector
+from fthsdp.services.health.telemetry import Fingerprint
 
 
 def _fp(replica: str, step: int, digest: str) -> Fingerprint:

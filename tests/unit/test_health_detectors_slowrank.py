@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from bench.emulation import EmulatedJob, Fault, FaultKind, Workload, core_sink, drive
-from services.health.core import HealthCore
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import IncidentKind
+from fthsdp.bench.emulation import EmulatedJob, Fault, FaultKind, Workload, core_sink, drive
+from fthsdp.services.health.core import HealthCore
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import IncidentKind
 
 
 def _run(faults: list[Fault], steps: int, seed: int = 3) -> list[tuple[str, str, int | None]]:

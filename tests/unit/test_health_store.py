@@ -8,17 +8,17 @@ import math
 
 import pytest
 
-from protos import health_pb2 as pb
-from services.health.client_codec import (
+from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.health.client_codec import (
     batch_from_pb,
     batch_to_pb,
     incident_from_json,
     incident_to_json,
     restamp,
 )
-from services.health.client_types import InvalidReportError
-from services.health.store import InMemoryTelemetryStore
-from services.health.telemetry import Incident, IncidentKind, RankId, StepRecord
+from fthsdp.services.health.client_types import InvalidReportError
+from fthsdp.services.health.store import InMemoryTelemetryStore
+from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId, StepRecord
 
 
 def _incident(n: int, kind: IncidentKind = IncidentKind.HANG) -> Incident:

@@ -13,9 +13,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("quorum", "checkpoint", "health")
 TORCH_FREE = ("quorum", "health")
+TOP_LEVEL = ("protos", "services", "worker", "deploy", "bench")
+"""The repository's package directories; installed, each is `fthsdp.<name>`."""
 
 
-def _imports(path: Path) -> list[str]:
+def _raw_imports(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names: list[str] = []
     for node in ast.walk(tree):
@@ -25,6 +27,11 @@ def _imports(path: Path) -> list[str]:
             names.append(node.module)
             names.extend(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def _imports(path: Path) -> list[str]:
+    """The modules `path` imports, with the installed `fthsdp.` namespace prefix removed."""
+    return [name.removeprefix("fthsdp.") for name in _raw_imports(path)]
 
 
 def _modules(package: str) -> list[Path]:
@@ -76,7 +83,7 @@ def test_services_talk_to_each_other_only_through_clients(service: str) -> None:
 @pytest.mark.parametrize("service", TORCH_FREE)
 def test_importing_a_torch_free_service_loads_no_torch(service: str) -> None:
     modules = [
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        "fthsdp." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for p in _modules(f"services/{service}")
     ]
     code = "import importlib, sys\n"
@@ -88,10 +95,26 @@ def test_importing_a_torch_free_service_loads_no_torch(service: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_code_imports_the_project_only_through_the_fthsdp_namespace() -> None:
+    """The repository's directories install as `fthsdp.<dir>`; a bare `import worker` would
+    work in a checkout and break when installed (and load a second copy of the module)."""
+    paths = [p for d in (*TOP_LEVEL, "tests") for p in _modules(d)]
+    paths += sorted((ROOT / "examples").rglob("*.py"))
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in paths
+        if "_pb2" not in path.name
+        for name in _raw_imports(path)
+        if name.split(".")[0] in TOP_LEVEL
+    ]
+    assert offenders == []
+
+
 def test_the_checker_sees_violations(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch\nfrom services.quorum.server import QuorumServer\n")
+    bad.write_text("import torch\nfrom fthsdp.services.quorum.server import QuorumServer\n")
     names = _imports(bad)
     assert "torch" in names
+    assert "services.quorum.server.QuorumServer" in names
     assert not _is_client("services.quorum.server.QuorumServer")
     assert _is_client("services.quorum.client.QuorumClient")

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.quorum.core import assign_sources
+from fthsdp.services.quorum.core import assign_sources
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,10 +8,10 @@ from types import MappingProxyType
 import grpc
 import pytest
 
-from protos import quorum_pb2 as pb
-from services.quorum import client_codec as codec
-from services.quorum.__main__ import build_parser, resolve_config
-from services.quorum.client_types import (
+from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.services.quorum import client_codec as codec
+from fthsdp.services.quorum.__main__ import build_parser, resolve_config
+from fthsdp.services.quorum.client_types import (
     AuthError,
     InternalError,
     Member,
@@ -22,9 +22,9 @@ from services.quorum.client_types import (
     StaleIncarnationError,
     UnknownReplicaError,
 )
-from services.quorum.config import QuorumConfig
-from services.quorum.core import assign_sources
-from services.quorum.server import status_for
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.core import assign_sources
+from fthsdp.services.quorum.server import status_for
 
 
 def _ranks(host: str, n: int) -> tuple[RankEndpoint, ...]:

@@ -9,18 +9,18 @@ from datetime import timedelta
 
 import pytest
 
-from services.quorum.client_types import (
+from fthsdp.services.quorum.client_types import (
     RankEndpoint,
     StaleIncarnationError,
     SupersededRequestError,
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from services.quorum.config import QuorumConfig
-from services.quorum.coordinator import Coordinator, QuorumAsk, Subscription
-from services.quorum.core import Formation
-from services.quorum.errors import ShuttingDownError
-from services.quorum.store import InMemoryStore
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, Subscription
+from fthsdp.services.quorum.core import Formation
+from fthsdp.services.quorum.errors import ShuttingDownError
+from fthsdp.services.quorum.store import InMemoryStore
 
 RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
 CONFIG = QuorumConfig(

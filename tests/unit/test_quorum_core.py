@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.quorum.client_types import (
+from fthsdp.services.quorum.client_types import (
     InvalidRequestError,
     RankEndpoint,
     StaleIncarnationError,
     UnknownReplicaError,
 )
-from services.quorum.config import QuorumConfig
-from services.quorum.core import (
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.core import (
     Ask,
     CoreState,
     Formation,

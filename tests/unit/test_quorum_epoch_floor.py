@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from services.quorum.core import CoreState, form
-from services.quorum.store import InMemoryStore, clock_epoch_floor
+from fthsdp.services.quorum.core import CoreState, form
+from fthsdp.services.quorum.store import InMemoryStore, clock_epoch_floor
 from tests.unit.test_quorum_core import ask, register
 
 

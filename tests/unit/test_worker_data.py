@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.data import DataPositions, ExactlyOnceLoader, ShardSpec
+from fthsdp.worker.data import DataPositions, ExactlyOnceLoader, ShardSpec
 
 
 @given(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.quorum.client import Member, Quorum, RankEndpoint
-from worker.plan import (
+from fthsdp.services.quorum.client import Member, Quorum, RankEndpoint
+from fthsdp.worker.plan import (
     NoQuorumError,
     decode_plan,
     encode_failure,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.state import fingerprint, load_state_tensors, state_tensors
+from fthsdp.worker.state import fingerprint, load_state_tensors, state_tensors
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -14,8 +14,8 @@ See :mod:`worker.ftar.ring` for the connection scheme and :mod:`worker.ftar.engi
 chunked algorithm; :mod:`worker.ftar.hooks` adapts it to DDP comm hooks.
 """
 
-from worker.ftar.config import FtarConfig
-from worker.ftar.errors import (
+from fthsdp.worker.ftar.config import FtarConfig
+from fthsdp.worker.ftar.errors import (
     FatalFtarError,
     FtarAbortedError,
     FtarEpochMismatchError,
@@ -25,9 +25,9 @@ from worker.ftar.errors import (
     FtarTimeoutError,
     RecoverableFtarError,
 )
-from worker.ftar.hooks import FtarHookState, ftar_comm_hook
-from worker.ftar.ring import FtarRing, FtarStats
-from worker.ftar.work import FtarWork
+from fthsdp.worker.ftar.hooks import FtarHookState, ftar_comm_hook
+from fthsdp.worker.ftar.ring import FtarRing, FtarStats
+from fthsdp.worker.ftar.work import FtarWork
 
 __all__ = [
     "FatalFtarError",

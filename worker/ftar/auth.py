@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import secrets
 
-from worker.ftar.errors import FtarPeerError
+from fthsdp.worker.ftar.errors import FtarPeerError
 
 __all__ = [
     "MAC_BYTES",

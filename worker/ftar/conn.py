@@ -6,8 +6,8 @@ import contextlib
 import socket
 import struct
 
-from worker.ftar import auth, wire
-from worker.ftar.errors import FatalFtarError, FtarPeerError
+from fthsdp.worker.ftar import auth, wire
+from fthsdp.worker.ftar.errors import FatalFtarError, FtarPeerError
 
 __all__ = [
     "close_quietly",

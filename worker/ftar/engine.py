@@ -28,8 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.ftar import conn, wire
-from worker.ftar.errors import FtarEpochMismatchError, FtarError, FtarPeerError, FtarTimeoutError
+from fthsdp.worker.ftar import conn, wire
+from fthsdp.worker.ftar.errors import (
+    FtarEpochMismatchError,
+    FtarError,
+    FtarPeerError,
+    FtarTimeoutError,
+)
 
 __all__ = [
     "FlatBuffer",

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from worker.ftar.errors import FatalFtarError, FtarError, RecoverableFtarError
-from worker.ftar.ring import FtarRing
+from fthsdp.worker.ftar.errors import FatalFtarError, FtarError, RecoverableFtarError
+from fthsdp.worker.ftar.ring import FtarRing
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket

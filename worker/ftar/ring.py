@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.ftar import auth, conn, wire
-from worker.ftar.config import FtarConfig
-from worker.ftar.engine import (
+from fthsdp.worker.ftar import auth, conn, wire
+from fthsdp.worker.ftar.config import FtarConfig
+from fthsdp.worker.ftar.engine import (
     Event,
     FlatBuffer,
     Pipeline,
@@ -47,7 +47,7 @@ from worker.ftar.engine import (
     receiver_loop,
     sender_loop,
 )
-from worker.ftar.errors import (
+from fthsdp.worker.ftar.errors import (
     FatalFtarError,
     FtarAbortedError,
     FtarEpochMismatchError,
@@ -57,8 +57,15 @@ from worker.ftar.errors import (
     FtarTimeoutError,
     RecoverableFtarError,
 )
-from worker.ftar.staging import CudaPools, CudaStage, DirectStage, HostBuffer, HostStage, Stage
-from worker.ftar.work import FtarWork
+from fthsdp.worker.ftar.staging import (
+    CudaPools,
+    CudaStage,
+    DirectStage,
+    HostBuffer,
+    HostStage,
+    Stage,
+)
+from fthsdp.worker.ftar.work import FtarWork
 
 __all__ = ["FtarRing", "FtarStats"]
 

@@ -23,8 +23,8 @@ from typing import Any, cast
 
 import torch
 
-from worker.ftar.engine import FlatBuffer
-from worker.ftar.errors import FtarAbortedError, FtarTimeoutError
+from fthsdp.worker.ftar.engine import FlatBuffer
+from fthsdp.worker.ftar.errors import FtarAbortedError, FtarTimeoutError
 
 __all__ = ["CudaPools", "CudaStage", "DirectStage", "HostBuffer", "HostStage", "Stage"]
 

@@ -20,8 +20,8 @@ from enum import IntEnum
 
 import torch
 
-from worker.ftar.auth import NONCE_BYTES
-from worker.ftar.errors import FatalFtarError, FtarPeerError
+from fthsdp.worker.ftar.auth import NONCE_BYTES
+from fthsdp.worker.ftar.errors import FatalFtarError, FtarPeerError
 
 __all__ = [
     "ACK_SIZE",

@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import torch
 
-from worker.ftar.errors import FtarError, FtarTimeoutError
+from fthsdp.worker.ftar.errors import FtarError, FtarTimeoutError
 
 __all__ = ["FtarWork"]
 

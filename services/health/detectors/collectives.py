@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import CollectiveRecord, RankId
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import CollectiveRecord, RankId
 
 Key = tuple[str, int]
 """(group, seq): one collective."""

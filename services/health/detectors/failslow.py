@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import Incident, IncidentKind, StepRecord
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import Incident, IncidentKind, StepRecord
 
 _MAX_FIT_SAMPLES = 512  # the refit window: bounded memory and cost per replica
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
+from fthsdp.services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
 
 
 @dataclass(slots=True)

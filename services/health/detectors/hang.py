@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.health.detectors.collectives import CollectiveIndex, Instance, Key
-from services.health.telemetry import Incident, IncidentKind, RankId
+from fthsdp.services.health.detectors.collectives import CollectiveIndex, Instance, Key
+from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import Fingerprint, Incident, IncidentKind
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import Fingerprint, Incident, IncidentKind
 
 
 class SdcDetector:

@@ -17,9 +17,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from statistics import median
 
-from services.health.detectors.collectives import Arrival, CollectiveIndex
-from services.health.detectors.config import DetectorConfig
-from services.health.telemetry import Incident, IncidentKind, RankId
+from fthsdp.services.health.detectors.collectives import Arrival, CollectiveIndex
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId
 
 
 @dataclass(frozen=True, slots=True)
