@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import math
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, Literal
+
+from fthsdp.services.common.tokens import load_token
 
 _ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+LR_POLICIES = ("none", "sqrt", "linear")
+LrPolicy = Literal["none", "sqrt", "linear"]
+
+
+def lr_factor(policy: str, healthy: int, total: int) -> float:
+    """What the learning rate is multiplied by for a step averaged over `healthy` of `total`
+    replicas: 1 with all of them; on a shrink sqrt(healthy / total) (`sqrt`, the FT-HSDP paper's
+    recommendation), healthy / total (`linear`), or 1 (`none`)."""
+    if policy not in LR_POLICIES:
+        raise ValueError(f"lr_policy must be one of {LR_POLICIES}, got {policy!r}")
+    if healthy < 1 or total < 1:
+        raise ValueError(f"healthy ({healthy}) and total ({total}) replicas must be >= 1")
+    ratio = min(healthy, total) / total
+    if policy == "sqrt":
+        return math.sqrt(ratio)
+    if policy == "linear":
+        return ratio
+    return 1.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,8 +54,8 @@ class ManagerConfig:
     quorums."""
     checkpoint_url: str
     """Base URL of this host's checkpoint sidecar (publishes snapshots, writes checkpoints)."""
-    token: str
-    """Bearer token for the quorum and checkpoint services; never logged."""
+    token: str = field(repr=False)
+    """Bearer token for the quorum and checkpoint services; never logged (nor in `repr`)."""
     shm_dir: str = "/dev/shm"
     """Shared-memory directory of the checkpoint sidecar (snapshots are copied there)."""
     quorum_timeout: timedelta = timedelta(seconds=60)
@@ -44,9 +68,11 @@ class ManagerConfig:
     """Consecutive failed commits after which the Manager gives up with `TooManyFailedCommits`."""
     durable_every_steps: int = 0
     """A durable checkpoint every K committed steps (0 disables), written by one healthy replica."""
-    scale_lr_by_healthy: bool = False
-    """Scale each step's learning rate by sqrt(healthy / total_replicas), as the FT-HSDP paper
-    recommends when replicas are missing."""
+    lr_policy: LrPolicy = "none"
+    """How `OptimizerWrapper.step` scales the learning rate of a step trained by fewer than
+    `total_replicas` replicas (`lr_factor`): `sqrt`, `linear` or `none`. The factor multiplies
+    whatever the user's scheduler set for the step and is undone right after the optimizer step,
+    so schedulers keep their own arithmetic."""
     bucket_bytes: int = 8 << 20
     """Gradients are exchanged in buckets of about this many bytes, each its own FTAR work."""
     exchange_timeout: timedelta = timedelta(seconds=30)
@@ -54,8 +80,7 @@ class ManagerConfig:
     overlap_backward: bool = False
     """Exchange each bucket across replicas as soon as backward has produced its gradients, so
     the exchange overlaps the rest of backward (replicated layout only, not FSDP2/DTensor
-    params). Needs exactly one backward per step between `start_step` and `finish_step`; the
-    first gradient hook of the step waits for the step's quorum."""
+    params). The first gradient hook of the step waits for the step's quorum."""
 
     control_plane_grace: timedelta | None = timedelta(milliseconds=300)
     """How long the leader waits for an unreachable quorum service before training the step on
@@ -73,6 +98,11 @@ class ManagerConfig:
     records: the positions are part of the replicated state (they travel with catch-up and with
     durable checkpoints). The records are the job's external trail of progress; recording every
     step would cost an HTTP request and an fsync per step."""
+    metrics_port: int | None = None
+    """Rank 0 serves Prometheus metrics (step time, commits, failed attempts, exchange GB/s,
+    catch-ups, quorum wait) on this port (0: any free one); None: no metrics."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the metrics endpoint binds."""
 
     def __post_init__(self) -> None:
         for name in ("job_id", "replica_id"):
@@ -95,8 +125,61 @@ class ManagerConfig:
             value = getattr(self, name)
             if value is not None and value < timedelta(0):
                 raise ValueError(f"{name} must not be negative")
+        if self.lr_policy not in LR_POLICIES:
+            raise ValueError(f"lr_policy must be one of {LR_POLICIES}, got {self.lr_policy!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be in 0..65535")
         if self.bucket_bytes < 1024:
             raise ValueError("bucket_bytes must be >= 1024")
         for name in ("quorum_timeout", "heartbeat_interval", "fetch_timeout", "exchange_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ManagerConfig:
+        """The configuration a launcher hands a rank through `FTHSDP_*` variables (what `fthsdp
+        up` writes to its env file, plus the replica's identity); keyword arguments win.
+
+        | variable | field |
+        |---|---|
+        | `FTHSDP_JOB_ID` (default `job`) | job_id |
+        | `FTHSDP_REPLICA_ID`, `FTHSDP_REPLICA_INDEX`, `FTHSDP_TOTAL_REPLICAS` | the replica |
+        | `FTHSDP_QUORUM`, `FTHSDP_CHECKPOINT_URL`, `FTHSDP_SHM_DIR`, `FTHSDP_HEALTH` | services |
+        | `FTHSDP_TOKEN` or `FTHSDP_TOKEN_FILE` | token |
+        | `FTHSDP_LR_POLICY`, `FTHSDP_METRICS_PORT`, `FTHSDP_DURABLE_EVERY_STEPS` | as named |
+
+        A missing required variable raises ValueError naming it."""
+        environ = os.environ if env is None else env
+        values: dict[str, Any] = {"job_id": "job"}
+        for name, (variable, kind) in _ENV_FIELDS.items():
+            raw = environ.get(variable)
+            if raw:
+                try:
+                    values[name] = kind(raw)
+                except ValueError as exc:
+                    raise ValueError(f"{variable}={raw!r} is not a valid {kind.__name__}") from exc
+        values.update(overrides)
+        if "token" not in values:
+            values["token"] = load_token(env=dict(environ)).value
+        required = ("replica_id", "replica_index", "total_replicas", "quorum_address",
+                    "checkpoint_url")  # fmt: skip
+        missing = [_ENV_FIELDS[name][0] for name in required if name not in values]
+        if missing:
+            raise ValueError(f"the rank's configuration lacks {', '.join(missing)}")
+        return cls(**values)
+
+
+_ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "job_id": ("FTHSDP_JOB_ID", str),
+    "replica_id": ("FTHSDP_REPLICA_ID", str),
+    "replica_index": ("FTHSDP_REPLICA_INDEX", int),
+    "total_replicas": ("FTHSDP_TOTAL_REPLICAS", int),
+    "quorum_address": ("FTHSDP_QUORUM", str),
+    "checkpoint_url": ("FTHSDP_CHECKPOINT_URL", str),
+    "shm_dir": ("FTHSDP_SHM_DIR", str),
+    "health_address": ("FTHSDP_HEALTH", str),
+    "lr_policy": ("FTHSDP_LR_POLICY", str),
+    "metrics_port": ("FTHSDP_METRICS_PORT", int),
+    "durable_every_steps": ("FTHSDP_DURABLE_EVERY_STEPS", int),
+}
+"""`ManagerConfig.from_env`: field → (variable, type)."""

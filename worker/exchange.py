@@ -78,6 +78,15 @@ class GradientExchange:
         if len(kinds) > 1:
             raise ValueError("mix of sharded (DTensor) and plain parameters is not supported")
         self.sharded = kinds == {True}
+        devices = {local(p).device for p in trainable}
+        if len(devices) > 1:
+            names = ", ".join(sorted(map(str, devices)))
+            raise ValueError(
+                f"trainable parameters lie on several devices ({names}): a rank exchanges one "
+                "device's gradients; move the model to one device"
+            )
+        self.device = devices.pop() if devices else torch.device("cpu")
+        """Where the gradient buffers live (CUDA buffers go through FTAR's staging path)."""
         self._group = group
         self._parts = 1 if self.sharded else group.world_size
         self._buckets: list[_Bucket] = []
@@ -100,7 +109,9 @@ class GradientExchange:
         dtypes = {b.replica.dtype for b in self._buckets}
         if not self.sharded and group.world_size > 1 and len(dtypes) == 1:
             per_rank = 1 + sum(b.replica.numel() // self._parts for b in self._buckets)
-            self._ballots = torch.zeros(per_rank * self._parts, dtype=dtypes.pop())
+            self._ballots = torch.zeros(
+                per_rank * self._parts, dtype=dtypes.pop(), device=self.device
+            )
 
     def _bucket(self, params: list[torch.nn.Parameter]) -> _Bucket:
         numel = sum(local(p).numel() for p in params)
@@ -108,9 +119,14 @@ class GradientExchange:
         dtype = params[0].dtype
         return _Bucket(
             params=params,
-            replica=torch.zeros(padded, dtype=dtype),
-            result=torch.zeros(padded, dtype=dtype),
+            replica=torch.zeros(padded, dtype=dtype, device=self.device),
+            result=torch.zeros(padded, dtype=dtype, device=self.device),
         )
+
+    @property
+    def share_bytes(self) -> int:
+        """Bytes this rank exchanges across replicas per attempt (its slice of every bucket)."""
+        return sum(b.result.numel() // self._parts * b.result.element_size() for b in self._buckets)
 
     @property
     def bucket_params(self) -> list[list[torch.nn.Parameter]]:

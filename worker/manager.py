@@ -6,7 +6,12 @@ replica's gradient is averaged across the healthy replicas; every rank votes, an
 replica applies the optimizer step. A failed vote retries the exchange on the next quorum from the
 intact local gradient. A replica behind the healthy ones contributes zeros while it fetches their
 state (published as a snapshot before their optimizer step), then applies the same averaged
-gradient and is identical to them (I1)."""
+gradient and is identical to them (I1).
+
+The user's loop stays a plain PyTorch loop (`OptimizerWrapper`): `zero_grad()` starts the step,
+the end of `loss.backward()` runs the exchange and the vote (a callback queued by the gradient
+hooks, as DDP does), so the averaged gradient is in `.grad` when backward returns and the user may
+clip or unscale it; `optimizer.step()` commits the step and applies the user's optimizer."""
 
 from __future__ import annotations
 
@@ -14,98 +19,52 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
+from torch.autograd import Variable
+from torch.distributed.fsdp import FSDPModule
 
 from fthsdp.services.quorum.client import (
-    QuorumClient,
     RankEndpoint,
-    WatchStream,
 )
-from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.config import ManagerConfig, lr_factor
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.faults import FaultPlan
 from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
 from fthsdp.worker.ftar.auth import ring_key
+from fthsdp.worker.metrics import WorkerMetrics
 from fthsdp.worker.peer_state import PeerState, StateFetchError
 from fthsdp.worker.plan import (
     StepPlan,
-    decode_plan,
-    fallback_payload,
-    steady_max_step,
 )
+from fthsdp.worker.plan_channel import PlanChannel
+from fthsdp.worker.position_records import PositionRecords
 from fthsdp.worker.quorum_link import QuorumLink
 from fthsdp.worker.replica_group import ReplicaGroup
-from fthsdp.worker.state import fingerprint, load_state_tensors, state_tensors
+from fthsdp.worker.ring_watch import RingWatch
+from fthsdp.worker.state import ReplicatedState, Stateful, fingerprint
+from fthsdp.worker.step import AgreedStep, OverlapState, StepOutcome, TooManyFailedCommits
 from fthsdp.worker.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
 POSITIONS_META = "positions"
 STEP_META = "step"
-_STEADY = -1
-"""Plan header kind: the previous plan with a new max_step (no payload follows)."""
-_RECORD_WAIT_S = 5.0
-"""On shutdown, how long the last position record waits for the one before it."""
-
-
-class TooManyFailedCommits(RuntimeError):
-    """The replica failed to commit `max_failed_commits` times in a row; it stops."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepOutcome:
-    """What happened in one call of `Manager.finish_step` (always a committed step)."""
-
-    step: int
-    """The step that was committed (the replica now stands at step + 1)."""
-    quorum_id: int
-    """The quorum whose exchange committed."""
-    healthy: tuple[str, ...]
-    """The replicas whose gradients this step averaged."""
-    recovered: bool
-    """This replica caught up from peers in this step (it contributed zeros)."""
-    trained: dict[str, tuple[int, int]]
-    """Per contributing replica, the range of its shard's positions this step trained."""
-    attempts: int
-    """Exchanges tried (1 unless a peer failed mid-exchange)."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of the phases: quorum, exchange, fetch, commit."""
-    without_control_plane: bool = False
-    """Committed on the previous quorum while the quorum service was unreachable."""
-
-
-@dataclass(kw_only=True, slots=True)
-class _Overlap:
-    """What the gradient hooks of the current step's backward did (`overlap_backward`)."""
-
-    remaining: list[int]
-    """Per bucket, the params whose gradient has not arrived yet."""
-    captured: list[bool] = field(default_factory=list)
-    plan: StepPlan | None = None
-    quorum_s: float = 0.0
-    ring_error: RecoverableFtarError | None = None
-    launching: bool = False
-    """The attempt has begun on the ring: captured buckets go out in bucket order."""
-    error: Exception | None = None
-    """Raised by `finish_step`; the hooks do nothing more this step."""
-
-    def __post_init__(self) -> None:
-        if not self.captured:
-            self.captured = [False] * len(self.remaining)
 
 
 class Manager:
-    """One rank's part in fault-tolerant training. Create one per rank, after the model and the
-    optimizer; call `start_step()` before the forward pass and `finish_step()` after backward
-    (it runs the optimizer step itself)."""
+    """One rank's part in fault-tolerant training. Create one per rank, after the model, the
+    optimizer and any state that must travel with the replica (`state`: named objects with
+    `state_dict()`/`load_state_dict()`, such as an LR scheduler or `RNGState()`).
+
+    Drive it with `OptimizerWrapper(manager)` in a plain loop (`zero_grad`, forward, `backward`,
+    optional clipping, `step`, `scheduler.step`), or directly: `start_step()` before the forward
+    pass, then `if manager.should_commit(): optimizer.step()` after backward."""
 
     def __init__(
         self,
@@ -115,10 +74,18 @@ class Manager:
         optimizer: torch.optim.Optimizer,
         group: ReplicaGroup,
         samples_per_step: int,
+        state: Mapping[str, Stateful] | None = None,
         ftar_config: FtarConfig | None = None,
         on_commit: Callable[[StepOutcome], None] | None = None,
         faults: FaultPlan | None = None,
     ) -> None:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "pass the plain module, not a DistributedDataParallel: the Manager sums gradients "
+                "inside the replica itself (FSDP2's fully_shard is supported)"
+            )
+        if samples_per_step < 1:
+            raise ValueError("samples_per_step must be >= 1")
         self.config = config
         self.model = model
         self.optimizer = optimizer
@@ -126,42 +93,42 @@ class Manager:
         self.samples_per_step = samples_per_step
         self.step = 0
         self.positions = DataPositions()
+        self._state = ReplicatedState(model, optimizer, state)
         self._on_commit = on_commit
         self._faults = faults or FaultPlan([], None)
-        self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self._exchange = GradientExchange(
             list(model.parameters()), group, bucket_bytes=config.bucket_bytes
         )
         if config.overlap_backward and self._exchange.sharded:
             raise ValueError("overlap_backward is not supported with sharded (DTensor) params")
-        self._overlap: _Overlap | None = None
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        if config.overlap_backward:
-            for index, params in enumerate(self._exchange.bucket_params):
-                for param in params:
-                    self._hooks.append(
-                        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                            lambda _param, index=index: self._on_grad(index)
-                        )
-                    )
+        self._overlap: OverlapState | None = None
+        self._synced: AgreedStep | None = None
+        self._last_outcome: StepOutcome | None = None
+        self._callback_queued = False
+        self._no_sync = 0
+        self._work: tuple[int, int] = (0, 0)
+        """Tokens and Σ seq_len² of the current step (`report_work`)."""
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda _param, index=index: self._on_grad(index)
+            )
+            for index, params in enumerate(self._exchange.bucket_params)
+            for param in params
+        ]
         ftar_config = ftar_config or FtarConfig()
         if not ftar_config.auth_key:  # only ranks of this job may join its rings
             ftar_config = dataclasses.replace(ftar_config, auth_key=ring_key(config.token))
         self._ring = FtarRing(ftar_config)
         self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
-        self._pending: Future[bytes] | None = None
-        self._plan: StepPlan | None = None
-        self._sent_plan: bytes | None = None
-        """Leader: the last plan payload broadcast in full."""
         self._stop = threading.Event()
-        self._watch_stream: WatchStream | None = None
         self._endpoints = self._gather_endpoints()
         self._step_started: float | None = None
-        self._positions_recorded = -math.inf
-        """Leader: monotonic time the data positions were last sent to the sidecar."""
-        self._position_record: Future[None] | None = None
-        """Leader: the last send of the positions (one at a time, so they arrive in order)."""
+        self._records = (
+            PositionRecords(self._peer_state, self._executor, config.position_record_interval)
+            if group.is_leader and config.position_record_interval is not None
+            else None
+        )
         self._telemetry = StepTelemetry(
             config.health_address,
             config.token,
@@ -169,9 +136,21 @@ class Manager:
             rank=group.rank,
             fingerprint_every_steps=config.fingerprint_every_steps,
         )
+        self.metrics = (
+            WorkerMetrics(
+                host=config.metrics_host, port=config.metrics_port, replica_id=config.replica_id
+            )
+            if group.is_leader and config.metrics_port is not None
+            else None
+        )
+        """The leader's Prometheus metrics (`ManagerConfig.metrics_port`), else None."""
         self._link = QuorumLink(config, self._endpoints, self._stop) if group.is_leader else None
+        self._plans = PlanChannel(config, group, self._link, self._executor)
         self._restore_durable()
-        self._threads = [threading.Thread(target=self._watch, name="fthsdp-watch", daemon=True)]
+        self._watch = RingWatch(
+            config, ring=self._ring, plan=lambda: self._plans.plan, stop=self._stop, rank=group.rank
+        )
+        self._threads = [self._watch.thread]
         if self._link is not None:
             self._threads.append(
                 threading.Thread(
@@ -204,22 +183,103 @@ class Manager:
         self._load(tensors, meta, expected_step=chosen)
         log.info("restored durable checkpoint", extra=self._context(step=chosen))
 
-    # ---- the step ------------------------------------------------------------------------
+    # ---- the step: the public surface ---------------------------------------------------------
 
     def start_step(self) -> None:
-        """Starts the quorum request (leader only) so it overlaps the forward pass."""
+        """Starts a step: the leader's quorum request goes out so that it overlaps the forward
+        pass. `OptimizerWrapper.zero_grad` calls it; so does the first gradient hook of a
+        backward that was not preceded by it. A step the replica agreed on but whose
+        `should_commit` was never called (a GradScaler that skipped the optimizer step on an
+        overflow) is committed here: its samples were trained, with no update."""
+        if self._synced is not None:
+            self._commit_synced()
         if self._step_started is None:
             self._step_started = time.time()
-        if self.group.is_leader and self._pending is None:
-            self._pending = self._executor.submit(self._request_quorum, False)
+        self._plans.request(self.step)
 
-    def finish_step(self, *, tokens: int = 0, sum_seq_len_sq: int = 0) -> StepOutcome:
-        """Exchanges the gradient, votes, and applies the optimizer step once the replica agrees.
+    def should_commit(self) -> bool:
+        """Whether to apply the optimizer step now; call it after backward (the wrapper's
+        `step()` does). It returns True once every rank of the replica voted that its exchange
+        completed: `.grad` holds the gradient averaged over the healthy replicas, and the step,
+        its data positions and its catch-up are committed. A failed exchange is not skipped: it
+        is retried on the next quorum from the intact local gradient, without recomputing, and
+        after `max_failed_commits` failures in a row this raises `TooManyFailedCommits` (the
+        replica should exit and be restarted); without a quorum it raises `NoQuorumError`.
 
-        `tokens` and `sum_seq_len_sq` (Σ l² over this rank's sequences of the step) describe the
-        step's work for the health service's fail-slow predictor. Retries the exchange on new
-        quorums until it commits; raises `TooManyFailedCommits` after `max_failed_commits`
-        failures in a row, and `NoQuorumError` without a quorum."""
+        Raises RuntimeError when no step is in progress (no `start_step()`/`zero_grad()` or
+        backward since the last commit)."""
+        if self._synced is None:
+            if self._step_started is None and self._overlap is None:
+                raise RuntimeError(
+                    "no step in progress: call optimizer.zero_grad() (or manager.start_step()) "
+                    "and backward before optimizer.step() / should_commit()"
+                )
+            self._sync()
+        self._commit_synced()
+        return True
+
+    def lr_factor(self) -> float:
+        """The learning-rate factor of `ManagerConfig.lr_policy` for the step committed last
+        (1.0 before any): `OptimizerWrapper.step` applies it around the optimizer step."""
+        outcome = self._last_outcome
+        if outcome is None:
+            return 1.0
+        return lr_factor(self.config.lr_policy, len(outcome.healthy), self.config.total_replicas)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside the block only accumulate local
+        gradients (FSDP2 modules skip their reduce-scatter too); the first backward after it
+        exchanges the sum."""
+        fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        self._no_sync += 1
+        for module in fsdp:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+            if self._no_sync == 0:
+                for module in fsdp:
+                    module.set_requires_gradient_sync(True, recurse=False)
+
+    def report_work(self, *, tokens: int, sum_seq_len_sq: int) -> None:
+        """This rank's work in the current step, for the health service's fail-slow predictor:
+        tokens and Σ l² over its sequences. Optional; the last call of a step counts."""
+        self._work = (tokens, sum_seq_len_sq)
+
+    @property
+    def last_outcome(self) -> StepOutcome | None:
+        """What the last committed step did, or None before the first."""
+        return self._last_outcome
+
+    # ---- the step: exchange, vote, commit -------------------------------------------------------
+
+    def _on_grad(self, index: int) -> None:
+        """Post-accumulate-grad hook of every trainable param (bucket `index`): the first one of
+        a backward queues the exchange to run when backward ends, as DDP does (FSDP2 runs these
+        hooks after its reduce-scatter, and its own end-of-backward callback is queued before
+        ours). With `overlap_backward` it also sends buckets while backward runs."""
+        if self._no_sync or self._stop.is_set():
+            return
+        if self._synced is not None:
+            raise RuntimeError(
+                "a second backward in one step: the first already exchanged the gradient; "
+                "accumulate inside `with manager.no_sync():` and let the last backward sync"
+            )
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.config.overlap_backward:
+            self._overlap_grad(index)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._sync()
+
+    def _sync(self) -> None:
+        """Exchanges the gradient and votes until the replica agrees (see `should_commit`),
+        then writes the averaged gradient into `.grad`."""
         began = time.monotonic()
         seconds = {"quorum": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
         overlap, self._overlap = self._overlap, None
@@ -237,20 +297,22 @@ class Manager:
         for attempt in range(1, self.config.max_failed_commits + 1):
             if attempt == 1 and overlap is not None:
                 assert overlap.plan is not None  # else the hooks kept an error, raised above
-                outcome = self._attempt(overlap.plan, attempt, seconds, overlap=overlap)
+                plan = overlap.plan
+                recovering = self._attempt(plan, seconds, overlap=overlap)
             else:
                 t0 = time.monotonic()
-                plan = self._receive_plan()
+                plan = self._plans.receive()
                 seconds["quorum"] += time.monotonic() - t0
-                outcome = self._attempt(plan, attempt, seconds)
-            if outcome is not None:
-                seconds["total"] = time.monotonic() - began
-                self._report_step(outcome.step, seconds, tokens, sum_seq_len_sq)
-                if self._on_commit is not None:
-                    self._on_commit(outcome)
-                return outcome
-            if self.group.is_leader:
-                self._pending = self._executor.submit(self._request_quorum, True)
+                recovering = self._attempt(plan, seconds)
+            if recovering is not None:
+                self._exchange.apply()
+                self._synced = AgreedStep(
+                    plan=plan, attempt=attempt, recovered=recovering, seconds=seconds, began=began
+                )
+                return
+            if self.metrics is not None:
+                self.metrics.failed_attempts.inc()
+            self._plans.request(self.step, commit_failed=True)
         raise TooManyFailedCommits(
             f"replica {self.config.replica_id} failed to commit step {self.step} "
             f"{self.config.max_failed_commits} times in a row"
@@ -259,13 +321,13 @@ class Manager:
     def _attempt(
         self,
         plan: StepPlan,
-        attempt: int,
         seconds: dict[str, float],
         *,
-        overlap: _Overlap | None = None,
-    ) -> StepOutcome | None:
+        overlap: OverlapState | None = None,
+    ) -> bool | None:
         """One exchange and vote; with `overlap`, the gradient hooks already checked the plan,
-        rebuilt the ring and launched the exchange."""
+        rebuilt the ring and launched the exchange. Returns None if the replica did not agree,
+        else whether this rank caught up from peers in this step (its state is loaded)."""
         ring_error = overlap.ring_error if overlap is not None else None
         if overlap is None:
             ring_error = self._prepare(plan)
@@ -281,7 +343,7 @@ class Manager:
             fetch = self._executor.submit(self._fetch, plan)
             self._faults.hit("fetch", self.step)
         elif plan.serve or self._durable_due(plan):
-            self._peer_state.publish(self.step, self._snapshot(), self._meta())
+            self._peer_state.publish(self.step, self._state.tensors(), self._meta())
             self._faults.hit("serve", self.step)
         t0 = time.monotonic()
         timeout = self._exchange_timeout(plan)
@@ -327,9 +389,8 @@ class Manager:
             self._load(*fetched, expected_step=plan.max_step)
         if self._durable_due(plan) and not recovering:
             self._peer_state.request_durable(self.step)
-        outcome = self._commit(plan, attempt, recovering, seconds)
         seconds["commit"] = time.monotonic() - t0
-        return outcome
+        return recovering
 
     def _prepare(self, plan: StepPlan) -> RecoverableFtarError | None:
         """Checks the plan and rebuilds the ring for it; returns the error if the ring could not
@@ -344,18 +405,53 @@ class Manager:
             return exc
         return None
 
+    def _commit_synced(self) -> StepOutcome:
+        """Commits the agreed step: data positions, step counter, records, telemetry."""
+        synced, self._synced = self._synced, None
+        assert synced is not None
+        plan = synced.plan
+        trained = self.positions.advance(plan.healthy, self.samples_per_step)
+        committed = self.step
+        self.step += 1
+        if self._records is not None:
+            self._records.committed(self.step, self.positions)
+        seconds = synced.seconds
+        seconds["total"] = time.monotonic() - synced.began
+        outcome = StepOutcome(
+            step=committed,
+            quorum_id=plan.quorum_id,
+            healthy=plan.healthy,
+            recovered=synced.recovered,
+            trained=trained,
+            attempts=synced.attempt,
+            seconds=seconds,
+            without_control_plane=plan.fallback,
+        )
+        self._last_outcome = outcome
+        self._report_step(committed, seconds)
+        if self.metrics is not None:
+            self.metrics.committed(
+                seconds=seconds,
+                healthy=plan.num_healthy,
+                recovered=synced.recovered,
+                exchange_bytes=self._exchange.share_bytes,
+            )
+        if self._on_commit is not None:
+            self._on_commit(outcome)
+        return outcome
+
     # ---- overlapping the exchange with backward ----------------------------------------------
 
-    def _on_grad(self, index: int) -> None:
-        """Post-accumulate-grad hook of a param of bucket `index` (`overlap_backward`).
+    def _overlap_grad(self, index: int) -> None:
+        """`overlap_backward`: a param of bucket `index` has its gradient.
 
         The step's first hook receives the plan and rebuilds the ring; a bucket whose grads are
         all in is summed inside the replica and, once every lower bucket is out, launched on the
         ring. Every rank runs the same hooks in the same order (identical models), so the
-        replica's collectives match. Errors are kept for `finish_step` to raise."""
+        replica's collectives match. Errors are kept for the end of backward to raise."""
         overlap = self._overlap
         if overlap is None:
-            overlap = self._overlap = _Overlap(
+            overlap = self._overlap = OverlapState(
                 remaining=[len(params) for params in self._exchange.bucket_params]
             )
             try:
@@ -378,10 +474,10 @@ class Manager:
         except Exception as exc:
             overlap.error = exc
 
-    def _begin_overlap(self, overlap: _Overlap) -> None:
+    def _begin_overlap(self, overlap: OverlapState) -> None:
         self.start_step()
         t0 = time.monotonic()
-        plan = self._receive_plan()
+        plan = self._plans.receive()
         overlap.quorum_s = time.monotonic() - t0
         overlap.plan = plan
         overlap.ring_error = self._prepare(plan)
@@ -395,64 +491,14 @@ class Manager:
         )
         overlap.launching = True
 
-    def _commit(
-        self, plan: StepPlan, attempt: int, recovered: bool, seconds: dict[str, float]
-    ) -> StepOutcome:
-        self._exchange.apply()
-        scale = math.sqrt(plan.num_healthy / self.config.total_replicas)
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
-            group["lr"] = base * scale if self.config.scale_lr_by_healthy else base
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        trained = self.positions.advance(plan.healthy, self.samples_per_step)
-        committed = self.step
-        self.step += 1
-        if self.group.is_leader and self._position_record_due():
-            self._position_record = self._executor.submit(
-                self._peer_state.record_positions, self.step, self.positions.copy()
-            )
-        outcome = StepOutcome(
-            step=committed,
-            quorum_id=plan.quorum_id,
-            healthy=plan.healthy,
-            recovered=recovered,
-            trained=trained,
-            attempts=attempt,
-            seconds=seconds,
-            without_control_plane=plan.fallback,
-        )
-        return outcome
-
-    def _position_record_due(self) -> bool:
-        """Leader, after committing: whether to send the positions to the sidecar now (at most
-        once per `position_record_interval`; `shutdown` sends the last ones)."""
-        interval = self.config.position_record_interval
-        now = time.monotonic()
-        if interval is None or now - self._positions_recorded < interval.total_seconds():
-            return False
-        if self._position_record is not None and not self._position_record.done():
-            return False  # the previous one is still on its way: the next interval catches up
-        self._positions_recorded = now
-        return True
-
-    def _record_last_positions(self) -> None:
-        """Leader, on shutdown: the final positions, after the record before them (in order)."""
-        if self.step == 0:
-            return
-        if self._position_record is not None:
-            with contextlib.suppress(Exception):
-                self._position_record.result(timeout=_RECORD_WAIT_S)
-        self._peer_state.record_positions(self.step, self.positions)
-
     def _fetch(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
         """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
         self._faults.delay("slow_fetch", self.step)
         return self._peer_state.fetch_peer(plan.sources, plan.max_step)
 
-    def _report_step(
-        self, step: int, seconds: dict[str, float], tokens: int, sum_seq_len_sq: int
-    ) -> None:
+    def _report_step(self, step: int, seconds: dict[str, float]) -> None:
         started, self._step_started = self._step_started, None
+        (tokens, sum_seq_len_sq), self._work = self._work, (0, 0)
         if not self._telemetry.enabled or started is None:
             return
         self._telemetry.step(
@@ -466,17 +512,9 @@ class Manager:
             sum_seq_len_sq=sum_seq_len_sq,
         )
         if self._telemetry.wants_fingerprint(step):
-            self._telemetry.fingerprint(step, fingerprint(self._snapshot()))
+            self._telemetry.fingerprint(step, fingerprint(self._state.core_tensors()))
 
-    # ---- quorum --------------------------------------------------------------------------
-
-    def _request_quorum(self, commit_failed: bool) -> bytes:
-        """Leader only, off the training thread: this step's quorum as the broadcast payload."""
-        assert self._link is not None
-        fallback = None
-        if not commit_failed and self.config.control_plane_grace is not None:
-            fallback = fallback_payload(self._plan, self._sent_plan, self.step)
-        return self._link.request(self.step, commit_failed=commit_failed, fallback=fallback)
+    # ---- ring ----------------------------------------------------------------------------
 
     def _exchange_timeout(self, plan: StepPlan) -> float:
         """The configured bound, or on a step trained without the quorum service twice the
@@ -488,71 +526,13 @@ class Manager:
             return 2 * grace.total_seconds() + 0.5
         return self.config.exchange_timeout.total_seconds()
 
-    def _receive_plan(self) -> StepPlan:
-        """The leader's quorum on every rank. In the steady state (only `max_step` moved on)
-        the replica's ranks exchange just that number, in one small collective, and reuse
-        their previous plan; any other change sends the whole plan."""
-        payload = None
-        header = None
-        if self.group.is_leader:
-            assert self._pending is not None
-            payload = self._pending.result()
-            self._pending = None
-            steady = None if self._plan is None else steady_max_step(self._sent_plan, payload)
-            header = [_STEADY, steady] if steady is not None else [len(payload), 0]
-        kind, max_step = self.group.broadcast_ints(header, 2)
-        if kind == _STEADY:
-            if self._plan is None:
-                raise RuntimeError("the leader sent a steady-state plan before any plan")
-            plan = dataclasses.replace(self._plan, max_step=max_step)
-        else:
-            plan = decode_plan(
-                self.group.broadcast_payload(payload, kind),
-                replica_id=self.config.replica_id,
-                rank=self.group.rank,
-            )
-            self._sent_plan = payload
-        self._plan = plan
-        return plan
-
     def _ensure_ring(self, plan: StepPlan) -> None:
         if self._ring.epoch == plan.quorum_id and not self._ring.broken:
             return
         position = plan.ring_replicas.index(self.config.replica_id)
         self._ring.reconfigure(list(plan.ring), position, plan.quorum_id)
 
-    # ---- background threads ----------------------------------------------------------------
-
-    def _watch(self) -> None:
-        """Aborts the exchange as soon as the service evicts a replica of this rank's ring."""
-        watcher = QuorumClient(self.config.quorum_address, self.config.token)
-        while not self._stop.is_set():
-            try:
-                self._watch_stream = watcher.watch()
-                for event in self._watch_stream:
-                    if self._stop.is_set():
-                        break
-                    plan = self._plan
-                    if (
-                        event.kind in ("evicted", "left")
-                        and plan is not None
-                        and event.replica_id in plan.ring_replicas
-                        and event.replica_id != self.config.replica_id
-                    ):
-                        log.info(
-                            "ring member evicted; aborting the exchange",
-                            extra=self._context(evicted=event.replica_id),
-                        )
-                        self._ring.abort()
-            except Exception as exc:
-                log.debug("watch stream ended: %s", exc, extra=self._context())
-            self._stop.wait(0.2)
-        watcher.close()
-
     # ---- state -------------------------------------------------------------------------------
-
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        return state_tensors(self.model, self.optimizer)
 
     def _meta(self) -> dict[str, str | int]:
         return {STEP_META: self.step, POSITIONS_META: self.positions.to_json()}
@@ -563,7 +543,7 @@ class Manager:
         step = int(meta[STEP_META])
         if step != expected_step:
             raise StateFetchError(f"fetched state is at step {step}, expected {expected_step}")
-        load_state_tensors(self.model, self.optimizer, tensors)
+        self._state.load(tensors)
         self.positions = DataPositions.from_json(str(meta[POSITIONS_META]))
         self.step = step
 
@@ -580,7 +560,7 @@ class Manager:
     def fingerprint(self) -> str:
         """sha256 of the replica's parameters and optimizer state (every rank's part, in rank
         order): equal on every healthy replica (I1). A collective: every rank must call it."""
-        parts = self.group.all_gather_bytes(fingerprint(self._snapshot()).encode())
+        parts = self.group.all_gather_bytes(fingerprint(self._state.core_tensors()).encode())
         return hashlib.sha256(b"|".join(parts)).hexdigest()
 
     def _context(self, **fields: object) -> dict[str, object]:
@@ -600,12 +580,13 @@ class Manager:
         self._stop.set()
         for hook in self._hooks:
             hook.remove()
-        if self._watch_stream is not None:
-            self._watch_stream.cancel()
-        if self.group.is_leader and self.config.position_record_interval is not None:
-            self._record_last_positions()
+        self._watch.cancel()
+        if self._records is not None:
+            self._records.close(self.step, self.positions)
         if self._link is not None:
             self._link.close()
         self._ring.close()
         self._telemetry.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

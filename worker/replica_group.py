@@ -1,10 +1,16 @@
 """Collectives inside one replica (its ranks), over a torch.distributed process group.
 
 Only bytes and tensors cross the wire: the leader's quorum answer travels as UTF-8 JSON in a uint8
-tensor, never pickled. With one rank per replica every call is local."""
+tensor, never pickled. With one rank per replica every call is local.
+
+The backend follows the tensors: with CUDA present the group is `cpu:gloo,cuda:nccl`, so the
+small control messages (plans, votes: CPU tensors) go over gloo and CUDA gradients over NCCL;
+without CUDA it is gloo."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -25,15 +31,57 @@ class ReplicaGroup:
 
     @classmethod
     def init(
-        cls, *, rank: int, world_size: int, init_method: str, timeout: timedelta
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        timeout: timedelta = timedelta(seconds=60),
+        backend: str | None = None,
     ) -> ReplicaGroup:
-        """Joins the replica's gloo group (one per replica; ranks of other replicas never join)."""
+        """Joins the replica's process group (one per replica; ranks of other replicas never
+        join). `backend` defaults to `default_backend()`."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a replica of {world_size} ranks")
         if world_size == 1:
             return cls(None, 0, 1)
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+            backend or default_backend(),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
         )
         return cls(dist.group.WORLD, rank, world_size)
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        timeout: timedelta = timedelta(seconds=60),
+        backend: str | None = None,
+    ) -> ReplicaGroup:
+        """The replica's group as torchrun describes it (one torchrun job per replica):
+        `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; a single rank without them."""
+        environ = os.environ if env is None else env
+        rank = int(environ.get("RANK", "0"))
+        world_size = int(environ.get("WORLD_SIZE", "1"))
+        if world_size > 1 and "MASTER_PORT" not in environ:
+            raise ValueError(
+                "WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (run under torchrun)"
+            )
+        address = environ.get("MASTER_ADDR", "127.0.0.1")
+        if ":" in address:  # an IPv6 literal
+            address = f"[{address.strip('[]')}]"
+        init_method = f"tcp://{address}:{environ.get('MASTER_PORT', '0')}"
+        return cls.init(
+            rank=rank,
+            world_size=world_size,
+            init_method=init_method,
+            timeout=timeout,
+            backend=backend,
+        )
 
     @property
     def is_leader(self) -> bool:
@@ -126,3 +174,8 @@ class ReplicaGroup:
         """Leaves the process group."""
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def default_backend() -> str:
+    """gloo for CPU tensors, plus NCCL for CUDA tensors where CUDA is present."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"

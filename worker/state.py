@@ -3,21 +3,134 @@
 Model parameters and buffers are named `model/<name>`; optimizer state `optim/<param index>/<key>`.
 With FSDP2 (HSDP inside a replica) each rank holds shards: the tensors here are this rank's local
 shards, and rank i of one replica exchanges state with rank i of another. Non-tensor optimizer
-state is refused: everything on the wire is raw tensor bytes."""
+state is refused: everything on the wire is raw tensor bytes.
+
+`ReplicatedState` adds what the model and the optimizer's tensors do not hold: the optimizer's
+per-group hyperparameters (the learning rate a scheduler set) and the user's stateful objects (a
+scheduler, a GradScaler, RNG state, a data loader), as tensors plus one JSON document
+(`worker.state_codec`)."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fthsdp.worker.exchange import local
+from fthsdp.worker.state_codec import decode_tree, document_tensor, encode_tree, read_document
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
+EXTRA_PREFIX = "extra/"
+"""Tensors of the optimizer's hyperparameters and of the user's objects."""
+DOCUMENT = "document"
+"""The JSON document (a uint8 tensor) of everything in `ReplicatedState` that is not a tensor."""
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with `state_dict()` / `load_state_dict()`: LR schedulers, GradScaler,
+    `fthsdp.RNGState`, torchdata's StatefulDataLoader, or the user's own objects."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+class ReplicatedState:
+    """One rank's share of the replica's state: model, optimizer (tensors and per-group
+    hyperparameters) and named user objects. Identical on every healthy replica (I1)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        objects: Mapping[str, Stateful] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.objects = dict(objects or {})
+        for name, obj in self.objects.items():
+            if not isinstance(name, str) or not _NAME.fullmatch(name):
+                raise ValueError(f"state name {name!r} must be 1..64 letters, digits, '_.-'")
+            if not isinstance(obj, Stateful):
+                raise TypeError(
+                    f"state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
+                )
+            if (
+                isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+                and obj.optimizer is not optimizer
+            ):
+                raise ValueError(
+                    f"state {name!r} is a scheduler of another optimizer than the Manager's"
+                )
+        self.tensors()  # an unsupported value fails here, at construction, naming its key
+
+    def core_tensors(self) -> dict[str, torch.Tensor]:
+        """Model and optimizer tensors (what the I1 fingerprint covers), without copying."""
+        return state_tensors(self.model, self.optimizer)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything, as named tensors (the document among them); tensors are not copied."""
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
+        document: dict[str, Any] = {}
+        extra: dict[str, torch.Tensor] = {}
+        document["optim_groups"], found = encode_tree(
+            groups, prefix=f"{EXTRA_PREFIX}optim/", name="optimizer param_groups"
+        )
+        extra.update(found)
+        objects = {}
+        for name, obj in self.objects.items():
+            objects[name], found = encode_tree(
+                obj.state_dict(), prefix=f"{EXTRA_PREFIX}{name}/", name=name
+            )
+            extra.update(found)
+        document["objects"] = objects
+        return {
+            **self.core_tensors(),
+            **{k: local(v) for k, v in extra.items()},
+            DOCUMENT: document_tensor(document),
+        }
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Loads what `tensors()` produced on the same rank of an identical replica."""
+        if DOCUMENT not in tensors and self.objects:
+            raise ValueError("the received state has no document for the user's objects")
+        document = read_document(tensors[DOCUMENT]) if DOCUMENT in tensors else {}
+        if not isinstance(document, dict):
+            raise ValueError("the replicated state document must be an object")
+        extra = {k: v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)}
+        groups = decode_tree(
+            document.get("optim_groups", [{}] * len(self.optimizer.param_groups)), extra
+        )
+        objects = decode_tree(document.get("objects", {}), extra)
+        if not isinstance(groups, list) or len(groups) != len(self.optimizer.param_groups):
+            raise ValueError("optimizer param_groups differ from the source's")
+        if not isinstance(objects, dict) or set(objects) != set(self.objects):
+            raise ValueError(
+                f"user state names differ: here {sorted(self.objects)}, "
+                f"source {sorted(objects) if isinstance(objects, dict) else objects!r}"
+            )
+        core = {k: v for k, v in tensors.items() if k.startswith((MODEL_PREFIX, OPTIM_PREFIX))}
+        load_state_tensors(self.model, self.optimizer, core)
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            if not isinstance(saved, dict):
+                raise ValueError("a saved param group must be an object")
+            for key, value in saved.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                    current.copy_(value)
+                else:
+                    group[key] = value
+        for name, obj in self.objects.items():
+            obj.load_state_dict(objects[name])
 
 
 def state_tensors(

@@ -26,8 +26,10 @@ from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.data import ExactlyOnceLoader, ShardSpec
 from fthsdp.worker.faults import FaultPlan
 from fthsdp.worker.ftar import FtarConfig
-from fthsdp.worker.manager import Manager, StepOutcome
+from fthsdp.worker.manager import Manager
+from fthsdp.worker.optim import OptimizerWrapper
 from fthsdp.worker.replica_group import ReplicaGroup
+from fthsdp.worker.step import StepOutcome
 
 log = logging.getLogger("fthsdp.demo")
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.fsdp:
         shard_replica(model, group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     events = (
         EventLog(args.run_dir / "replicas" / f"{args.replica_id}.jsonl")
         if group.is_leader
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         on_commit=on_commit,
         faults=FaultPlan.from_env(args.replica_id, args.rank),
     )
+    optimizer = OptimizerWrapper(manager)
     loader = ExactlyOnceLoader(
         spec=spec,
         replica_id=args.replica_id,
@@ -226,17 +229,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         if 0 <= stop_at <= manager.step:
             break
-        manager.start_step()
+        optimizer.zero_grad()
         (x, y), _ids = loader.next_batch()
         _, loss = model(x, y)
         assert loss is not None
-        loss.backward()
+        loss.backward()  # ends with the gradient averaged across the healthy replicas
         last_loss = float(loss.item())
         # Every sample is one full block: N = samples x block, Σ l² = samples x block².
         samples = args.micro_batch
-        manager.finish_step(
+        manager.report_work(
             tokens=samples * dataset.block_size, sum_seq_len_sq=samples * dataset.block_size**2
         )
+        optimizer.step()
     final_fingerprint = manager.fingerprint()  # a collective over the replica's ranks
     if events is not None:
         events.write(

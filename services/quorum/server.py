@@ -23,10 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.services.common.admin import AdminServer
 from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
-from fthsdp.services.quorum.admin import AdminServer
 from fthsdp.services.quorum.client_types import (
     InternalError,
     InvalidRequestError,
@@ -285,7 +285,11 @@ class QuorumServer:
         self.address = f"{self.config.host}:{port}"
         if self.config.admin_port is not None:
             self._admin = AdminServer(
-                self.config.host, self.config.admin_port, self.metrics.registry, self.is_serving
+                self.config.host,
+                self.config.admin_port,
+                self.metrics.registry,
+                self.is_serving,
+                name="quorum-admin",
             )
             self._admin.start()
             self.admin_address = self._admin.address

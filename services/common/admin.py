@@ -22,8 +22,15 @@ class AdminServer:
     """Serves metrics and probes on `host:port` (port 0 picks a free one) in a daemon thread."""
 
     def __init__(
-        self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        ready: Callable[[], bool],
+        *,
+        name: str = "admin",
     ) -> None:
+        self._name = name
         self._registry = registry
         self._ready = ready
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
@@ -41,7 +48,7 @@ class AdminServer:
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": _SHUTDOWN_POLL_S},
-            name="quorum-admin",
+            name=f"{self._name}-http",
             daemon=True,
         )
         self._thread.start()

@@ -1,0 +1,79 @@
+"""A replica's step plans: the leader asks the quorum service (off the training thread, so the
+request overlaps the forward pass) and broadcasts the answer; every rank derives its own plan.
+
+In the steady state (only `max_step` moved on) the ranks exchange just that number, in one
+small collective, and reuse their previous plan; any other change sends the whole plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Executor, Future
+
+from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.plan import StepPlan, decode_plan, fallback_payload, steady_max_step
+from fthsdp.worker.quorum_link import QuorumLink
+from fthsdp.worker.replica_group import ReplicaGroup
+
+_STEADY = -1
+"""Plan header kind: the previous plan with a new max_step (no payload follows)."""
+
+
+class PlanChannel:
+    """One rank's end of its replica's plan broadcast (the leader's also asks the service)."""
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        group: ReplicaGroup,
+        link: QuorumLink | None,
+        executor: Executor,
+    ) -> None:
+        if group.is_leader != (link is not None):
+            raise ValueError("the replica leader, and only it, has a quorum link")
+        self._config = config
+        self._group = group
+        self._link = link
+        self._executor = executor
+        self._pending: Future[bytes] | None = None
+        self.plan: StepPlan | None = None
+        """The plan received last (None before the first)."""
+        self._sent: bytes | None = None
+        """Leader: the last payload broadcast in full."""
+
+    def request(self, step: int, *, commit_failed: bool = False) -> None:
+        """Leader: asks for `step`'s quorum in the background unless a request is out already;
+        other ranks: nothing."""
+        if self._link is not None and self._pending is None:
+            self._pending = self._executor.submit(self._ask, step, commit_failed)
+
+    def _ask(self, step: int, commit_failed: bool) -> bytes:
+        assert self._link is not None
+        fallback = None
+        if not commit_failed and self._config.control_plane_grace is not None:
+            fallback = fallback_payload(self.plan, self._sent, step)
+        return self._link.request(step, commit_failed=commit_failed, fallback=fallback)
+
+    def receive(self) -> StepPlan:
+        """The leader's answer to the last request, on every rank (a collective)."""
+        payload = None
+        header = None
+        if self._link is not None:
+            assert self._pending is not None, "receive() without request()"
+            payload = self._pending.result()
+            self._pending = None
+            steady = None if self.plan is None else steady_max_step(self._sent, payload)
+            header = [_STEADY, steady] if steady is not None else [len(payload), 0]
+        kind, max_step = self._group.broadcast_ints(header, 2)
+        if kind == _STEADY:
+            if self.plan is None:
+                raise RuntimeError("the leader sent a steady-state plan before any plan")
+            plan = dataclasses.replace(self.plan, max_step=max_step)
+        else:
+            plan = decode_plan(
+                self._group.broadcast_payload(payload, kind),
+                replica_id=self._config.replica_id,
+                rank=self._group.rank,
+            )
+            self._sent = payload
+        self.plan = plan
+        return plan

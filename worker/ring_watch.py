@@ -1,0 +1,72 @@
+"""Every rank's watch on the quorum service: a ring member's eviction aborts the exchange at once,
+instead of after the exchange timeout (pushed failure notices, DESIGN.md)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from fthsdp.services.quorum.client import QuorumClient, WatchStream
+from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.ftar import FtarRing
+from fthsdp.worker.plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 0.2
+
+
+class RingWatch:
+    """Follows the service's membership events in a daemon thread (`thread`, started by the
+    owner); reconnects after a lost stream until `stop` is set."""
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        *,
+        ring: FtarRing,
+        plan: Callable[[], StepPlan | None],
+        stop: threading.Event,
+        rank: int,
+    ) -> None:
+        self._config = config
+        self._ring = ring
+        self._plan = plan
+        self._stop = stop
+        self._rank = rank
+        self._stream: WatchStream | None = None
+        self.thread = threading.Thread(target=self._run, name="fthsdp-watch", daemon=True)
+
+    def cancel(self) -> None:
+        """Ends the current stream (with `stop` set, the thread then exits)."""
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def _run(self) -> None:
+        watcher = QuorumClient(self._config.quorum_address, self._config.token)
+        while not self._stop.is_set():
+            try:
+                self._stream = watcher.watch()
+                for event in self._stream:
+                    if self._stop.is_set():
+                        break
+                    plan = self._plan()
+                    if (
+                        event.kind in ("evicted", "left")
+                        and plan is not None
+                        and event.replica_id in plan.ring_replicas
+                        and event.replica_id != self._config.replica_id
+                    ):
+                        log.info(
+                            "ring member evicted; aborting the exchange",
+                            extra=self._context(evicted=event.replica_id),
+                        )
+                        self._ring.abort()
+            except Exception as exc:
+                log.debug("watch stream ended: %s", exc, extra=self._context())
+            self._stop.wait(_RETRY_S)
+        watcher.close()
+
+    def _context(self, **fields: object) -> dict[str, object]:
+        return {"replica_id": self._config.replica_id, "rank": self._rank, **fields}

@@ -1,0 +1,139 @@
+"""Exactly-once data (I2) for map-style datasets through a normal `torch.utils.data.DataLoader`.
+
+Replica k of R owns the global sample ids k, k+R, k+2R, ...; its rank r takes `batch_size` of
+them per step (`ShardSpec`). Global id g is dataset index `g mod N` of epoch `g // N`, shuffled
+per epoch with a seeded permutation when asked, so across all replicas every index is trained
+once per epoch, whichever replicas were down when. Positions are the replicated table the Manager
+commits with each step (they travel with catch-up and durable checkpoints), so a restarted or
+recovering replica resumes exactly where its last committed contribution ended.
+
+A DataLoader with workers draws indices ahead of training (prefetch), before it is known whether
+a step commits with this replica's contribution. `ExactlyOnceDataLoader` therefore checks each
+batch against the committed position as it hands it out; when the position moved otherwise (a
+catch-up step, which trains nothing of this replica's, or a restore), the prefetched batches are
+dropped and loading restarts at the committed position. The stream is endless: stop by step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from fthsdp.worker.data import ShardSpec
+from fthsdp.worker.manager import Manager
+
+_FORBIDDEN = ("sampler", "batch_sampler", "drop_last")
+
+
+class ExactlyOnceSampler(Sampler[list[int]]):
+    """A batch sampler: this rank's micro-batch of dataset indices, step after step, from the
+    replica's committed position. Use it through `ExactlyOnceDataLoader` (or, without workers,
+    as `DataLoader(dataset, batch_sampler=sampler, num_workers=0)`, which draws lazily)."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        dataset_size: int,
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if dataset_size < 1:
+            raise ValueError("the dataset is empty")
+        self.spec = ShardSpec(
+            replica_index=manager.config.replica_index,
+            total_replicas=manager.config.total_replicas,
+            rank=manager.group.rank,
+            world_size=manager.group.world_size,
+            micro_batch=batch_size,
+        )
+        if self.spec.samples_per_step != manager.samples_per_step:
+            raise ValueError(
+                f"batch_size {batch_size} x {manager.group.world_size} ranks = "
+                f"{self.spec.samples_per_step} samples per step, but the Manager commits "
+                f"{manager.samples_per_step}"
+            )
+        self._manager = manager
+        self._size = dataset_size
+        self._shuffle = shuffle
+        self._seed = seed
+        self._perms: dict[int, torch.Tensor] = {}
+        self._next_start: int | None = None
+
+    def position(self) -> int:
+        """The replica's committed position (samples of its stream trained)."""
+        return self._manager.positions.get(self._manager.config.replica_id)
+
+    def start_at(self, position: int) -> None:
+        """The next iteration begins at `position` instead of the position at its first draw."""
+        self._next_start = position
+
+    def indices(self, position: int) -> list[int]:
+        """Dataset indices this rank trains when its replica stands at `position`."""
+        return [self._index(g) for g in self.spec.sample_ids(position)]
+
+    def _index(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self._size)
+        if not self._shuffle:
+            return offset
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if len(self._perms) >= 2:  # a replica's stream spans at most two epochs at once
+                self._perms.pop(min(self._perms))
+            generator = torch.Generator().manual_seed(self._seed + epoch)
+            perm = self._perms[epoch] = torch.randperm(self._size, generator=generator)
+        return int(perm[offset])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._next_start = self._next_start, None
+        position = self.position() if start is None else start
+        while True:
+            yield self.indices(position)
+            position += self.spec.samples_per_step
+
+
+class ExactlyOnceDataLoader(DataLoader[Any]):
+    """`DataLoader(dataset, batch_size=..., shuffle=..., num_workers=..., ...)` with batches at
+    the replica's committed position (see the module doc). Every DataLoader option but
+    `sampler`, `batch_sampler` and `drop_last` is accepted; iteration never ends."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        manager: Manager,
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        clash = [name for name in _FORBIDDEN if name in options]
+        if clash:
+            raise ValueError(f"{', '.join(clash)}: the exactly-once sampler decides the batches")
+        if options.get("in_order") is False:
+            raise ValueError("in_order=False would hand out batches out of position")
+        if not isinstance(dataset, Sized):
+            raise TypeError("a map-style dataset with __len__ is needed")
+        self.exactly_once = ExactlyOnceSampler(
+            manager, len(dataset), batch_size=batch_size, shuffle=shuffle, seed=seed
+        )
+        super().__init__(dataset, batch_sampler=self.exactly_once, **options)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        step = self.exactly_once.spec.samples_per_step
+        while True:
+            start = self.exactly_once.position()
+            self.exactly_once.start_at(start)
+            batches = super().__iter__()
+            try:
+                for drawn, batch in enumerate(batches):
+                    if self.exactly_once.position() != start + drawn * step:
+                        break  # a step committed without this replica's batch: reload
+                    yield batch
+            finally:
+                shutdown = getattr(batches, "_shutdown_workers", None)
+                if shutdown is not None and not self.persistent_workers:
+                    shutdown()
