@@ -84,6 +84,10 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--fsdp)",
     )  # fmt: skip
     p.add_argument(
+        "--loader-workers", type=int, default=0,
+        help="DataLoader worker processes per rank (default 0: load in the rank itself)",
+    )  # fmt: skip
+    p.add_argument(
         "--restart-policy", choices=RESTART_POLICIES, default="replica",
         help="replica: only the failed replica restarts (default); job: every replica restarts "
         "from the last durable checkpoint (the synchronous baseline)",
@@ -134,6 +138,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         restart_policy=args.restart_policy,
         fsdp=args.fsdp,
         overlap_backward=args.overlap_backward,
+        loader_workers=args.loader_workers,
         redis=args.redis,
         health=not args.no_health,
     )

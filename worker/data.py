@@ -5,17 +5,14 @@ samples of that stream have been trained. Positions of every replica live in a t
 of the replicated training state: every replica that commits step n advances the positions of the
 replicas that contributed to step n's gradient, so the table is identical on all healthy replicas,
 travels with catch-up, and is stored in durable checkpoints. A restarted replica therefore resumes
-exactly where its last *committed* contribution ended, whoever committed it."""
+exactly where its last *committed* contribution ended, whoever committed it. The loader that
+feeds a rank from these positions is `worker.sampler.ExactlyOnceDataLoader`."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
-
-T = TypeVar("T")
-B = TypeVar("B")
 
 _MAX_REPLICAS = 4096
 
@@ -112,35 +109,3 @@ class DataPositions:
 
     def __hash__(self) -> int:
         return hash(self.to_json())
-
-
-class ExactlyOnceLoader(Generic[T, B]):
-    """Yields this rank's micro-batch at its replica's committed position, never advancing itself.
-
-    The Manager advances the position table only when a step commits with this replica's
-    contribution; until then `next_batch()` keeps returning the same samples, so a retried or
-    recovering step can never skip or repeat data."""
-
-    def __init__(
-        self,
-        *,
-        spec: ShardSpec,
-        replica_id: str,
-        positions: Callable[[], DataPositions],
-        sample: Callable[[int], T],
-        collate: Callable[[list[T]], B],
-    ) -> None:
-        self.spec = spec
-        self._replica_id = replica_id
-        self._positions = positions
-        self._sample = sample
-        self._collate = collate
-
-    def position(self) -> int:
-        """The replica's committed position."""
-        return self._positions().get(self._replica_id)
-
-    def next_batch(self) -> tuple[B, range]:
-        """The micro-batch for the current position and the global sample ids in it."""
-        ids = self.spec.sample_ids(self.position())
-        return self._collate([self._sample(i) for i in ids]), ids

@@ -55,6 +55,16 @@ class ReplicaGroup:
         return cls(dist.group.WORLD, rank, world_size)
 
     @classmethod
+    def from_torch(cls, group: dist.ProcessGroup | None = None) -> ReplicaGroup:
+        """The process group the script initialised itself, over the replica's ranks (under
+        torchrun, one job per replica: the default group after `init_process_group()`)."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group()")
+        group = group or dist.group.WORLD
+        assert group is not None
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @classmethod
     def from_env(
         cls,
         env: Mapping[str, str] | None = None,

@@ -104,9 +104,9 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
         self,
         dataset: Dataset[Any],
         manager: Manager,
-        *,
         batch_size: int,
         shuffle: bool = False,
+        *,
         seed: int = 0,
         **options: Any,
     ) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
 CORPUS_PATH = Path(__file__).resolve().parent / "corpus.txt"
 CORPUS_SEED = 20240611
@@ -155,6 +156,11 @@ class CharDataset:
         self._starts = len(text) - block_size - 1
 
     @property
+    def windows(self) -> int:
+        """Distinct windows: sample ids beyond repeat them (`sample` wraps around)."""
+        return self._starts + 1
+
+    @property
     def vocab_size(self) -> int:
         return len(self.chars)
 
@@ -185,6 +191,20 @@ class CharDataset:
             raise ValueError("collate needs at least one sample")
         batch = torch.stack(list(samples))
         return batch[:, :-1], batch[:, 1:]
+
+
+class CharWindows(Dataset[tuple[torch.Tensor, int]]):
+    """The first `len()` sample ids of a `CharDataset` as a map-style dataset for a DataLoader:
+    item i is (window i, i), so a training loop knows which samples a batch holds."""
+
+    def __init__(self, dataset: CharDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return self.dataset.windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.dataset.sample(index), index
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,6 +61,8 @@ class DemoConfig:
     """Shard each replica's model over its ranks with FSDP2 (HSDP) instead of replicating it."""
     overlap_backward: bool = False
     """Exchange gradient buckets across replicas while backward still runs (not with `fsdp`)."""
+    loader_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the rank itself)."""
     restart_policy: str = "replica"
     """replica: only a failed replica restarts; job: all restart from the last durable
     checkpoint on any failure (the synchronous baseline that `bench.recovery` compares with)."""
@@ -83,6 +85,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
             raise ValueError("replicas and ranks must be >= 1")
+        if not 0 <= self.loader_workers <= 64:
+            raise ValueError("loader_workers must be in 0..64")
         if self.fsdp and self.overlap_backward:
             raise ValueError("overlap_backward is not supported with fsdp")
         if self.kill_mode not in KILL_MODES:
@@ -202,6 +206,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 "--durable-every-steps", str(config.durable_every_steps),
                 *(("--fsdp",) if config.fsdp else ()),
                 *(("--overlap-backward",) if config.overlap_backward else ()),
+                "--loader-workers", str(config.loader_workers),
             ),
         )  # fmt: skip
         supervisor = Supervisor(

@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from fthsdp.deploy.demo.corpus import CharDataset
+from fthsdp.deploy.demo.corpus import CharDataset, CharWindows
 from fthsdp.deploy.demo.eventlog import EventLog
 from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
 from fthsdp.services.common.tokens import load_token
 from fthsdp.worker.config import ManagerConfig
-from fthsdp.worker.data import ExactlyOnceLoader, ShardSpec
 from fthsdp.worker.faults import FaultPlan
 from fthsdp.worker.ftar import FtarConfig
 from fthsdp.worker.manager import Manager
 from fthsdp.worker.optim import OptimizerWrapper
 from fthsdp.worker.replica_group import ReplicaGroup
+from fthsdp.worker.sampler import ExactlyOnceDataLoader
 from fthsdp.worker.step import StepOutcome
 
 log = logging.getLogger("fthsdp.demo")
@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overlap-backward",
         action="store_true",
         help="exchange gradient buckets across replicas while backward still runs",
+    )
+    p.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes of this rank (default 0: load in the rank itself)",
     )
     p.add_argument(
         "--ftar-host",
@@ -159,19 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                 recovered=outcome.recovered,
                 trained={r: list(span) for r, span in outcome.trained.items()},
                 loss=None if outcome.recovered else last_loss,
-                tokens=0 if outcome.recovered else spec.samples_per_step * dataset.block_size,
+                tokens=0 if outcome.recovered else samples_per_step * dataset.block_size,
                 attempts=outcome.attempts,
                 seconds=outcome.seconds,
                 without_control_plane=outcome.without_control_plane,
+                # The leader's own micro-batch (dataset indices) fed in this step.
+                samples=batch_ids,
             )
 
-    spec = ShardSpec(
-        replica_index=args.replica_index,
-        total_replicas=args.total_replicas,
-        rank=args.rank,
-        world_size=args.world_size,
-        micro_batch=args.micro_batch,
-    )
+    samples_per_step = args.micro_batch * args.world_size
     manager = Manager(
         config=ManagerConfig(
             job_id=args.job,
@@ -195,18 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         model=model,
         optimizer=optimizer,
         group=group,
-        samples_per_step=spec.samples_per_step,
+        samples_per_step=samples_per_step,
         on_commit=on_commit,
         faults=FaultPlan.from_env(args.replica_id, args.rank),
     )
     optimizer = OptimizerWrapper(manager)
-    loader = ExactlyOnceLoader(
-        spec=spec,
-        replica_id=args.replica_id,
-        positions=lambda: manager.positions,
-        sample=dataset.sample,
-        collate=dataset.collate,
+    loader = ExactlyOnceDataLoader(
+        CharWindows(dataset),
+        manager,
+        args.micro_batch,
+        num_workers=args.loader_workers,
+        persistent_workers=args.loader_workers > 0,
     )
+    batches = iter(loader)  # endless: the same samples again until a step commits with them
     if events is not None:
         events.write("start", replica=args.replica_id, step=manager.step, pid=os.getpid())
     terminate = False
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     last_loss: float | None = None
+    batch_ids: list[int] = []
     stop_at = -1
     while manager.step < args.max_steps and not terminate:
         # The leader reads the launcher's stop file every STOP_CHECK_STEPS steps and tells its
@@ -230,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         if 0 <= stop_at <= manager.step:
             break
         optimizer.zero_grad()
-        (x, y), _ids = loader.next_batch()
-        _, loss = model(x, y)
+        windows, ids = next(batches)
+        batch_ids = [int(i) for i in ids]
+        _, loss = model(windows[:, :-1], windows[:, 1:])
         assert loss is not None
         loss.backward()  # ends with the gradient averaged across the healthy replicas
         last_loss = float(loss.item())

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fthsdp.worker.data import DataPositions, ExactlyOnceLoader, ShardSpec
+from fthsdp.worker.data import DataPositions, ShardSpec
 
 
 @given(
@@ -48,16 +48,3 @@ def test_positions_advance_only_for_contributors_and_report_their_ranges() -> No
 def test_position_tables_from_peers_are_validated(bad: str) -> None:
     with pytest.raises(ValueError):
         DataPositions.from_json(bad)
-
-
-def test_loader_repeats_the_same_batch_until_the_position_is_committed() -> None:
-    table = DataPositions()
-    spec = ShardSpec(replica_index=1, total_replicas=3, rank=1, world_size=2, micro_batch=2)
-    loader = ExactlyOnceLoader(
-        spec=spec, replica_id="r1", positions=lambda: table, sample=lambda i: i, collate=list
-    )
-    first, ids = loader.next_batch()
-    assert first == [7, 10] and list(ids) == first
-    assert loader.next_batch()[0] == first  # a retried or recovering step sees the same data
-    table.advance(["r1"], spec.samples_per_step)
-    assert loader.next_batch()[0] == [19, 22]
