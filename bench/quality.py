@@ -513,6 +513,18 @@ def _median_curve(runs: dict[str, dict[str, Any]], name: str) -> tuple[list[int]
     return marks, [statistics.median(col) for col in zip(*per_seed, strict=True)]
 
 
+def _median_delta_curve(runs: dict[str, dict[str, Any]], name: str) -> list[float]:
+    """Per token mark, the median over seeds of (run kind `name` - fault-free of the same seed)."""
+    per_seed = [
+        [
+            e["loss"] - b["loss"]
+            for e, b in zip(r[name]["evals"], r[FAULT_FREE]["evals"], strict=True)
+        ]
+        for r in runs.values()
+    ]
+    return [statistics.median(col) for col in zip(*per_seed, strict=True)]
+
+
 def _outage_spans(run: dict[str, Any], schedule: Sequence[dict[str, int]]) -> list[tuple[int, int]]:
     """Each outage as the (start, end) cumulative tokens of a run with that schedule."""
     cum = [0, *run["per_step"]["tokens"]]
@@ -529,13 +541,12 @@ def write_plot(result: dict[str, Any], path: Path) -> Path:
     fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     loss_ax, delta_ax = fig.subplots(2, 1, sharex=True)
-    _, base = _median_curve(runs, FAULT_FREE)
     for i, name in enumerate(names):
         marks, losses = _median_curve(runs, name)
         style = {"color": f"C{i}", "label": name, "linewidth": 1.2}  # same color in both panels
         loss_ax.plot(marks, losses, marker=".", **style)
         if name != FAULT_FREE:
-            delta_ax.plot(marks, [a - b for a, b in zip(losses, base, strict=True)], **style)
+            delta_ax.plot(marks, _median_delta_curve(runs, name), **style)
     first = next(iter(runs))
     faulty = [n for n in names if n != FAULT_FREE]
     if faulty:

@@ -19,7 +19,8 @@ class RNGState:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state: dict[str, Any] = {
             "python": random.getstate(),
-            "numpy": [str(kind), torch.from_numpy(np.asarray(keys).copy()), int(pos),
+            # The state format carries no uint32: the key words travel widened to int64.
+            "numpy": [str(kind), torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos),
                       int(has_gauss), float(cached)],
             "torch": torch.get_rng_state(),
         }  # fmt: skip
@@ -32,7 +33,7 @@ class RNGState:
         """Restores the generators; CUDA states only if this rank uses as many devices."""
         random.setstate(state_dict["python"])  # the state codec keeps its tuples
         kind, keys, pos, has_gauss, cached = state_dict["numpy"]
-        np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(state_dict["torch"])
         cuda = state_dict.get("cuda")
         if (

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
+from fthsdp.services.checkpoint.client_fetch import TORCH_DTYPES
 from fthsdp.worker.exchange import local
 from fthsdp.worker.state_codec import decode_tree, document_tensor, encode_tree, read_document
 
@@ -30,6 +31,8 @@ EXTRA_PREFIX = "extra/"
 DOCUMENT = "document"
 """The JSON document (a uint8 tensor) of everything in `ReplicatedState` that is not a tensor."""
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_DTYPES = frozenset(TORCH_DTYPES.values())
+"""What the snapshot and checkpoint format carries."""
 
 
 @runtime_checkable
@@ -83,13 +86,13 @@ class ReplicatedState:
         document: dict[str, Any] = {}
         extra: dict[str, torch.Tensor] = {}
         document["optim_groups"], found = encode_tree(
-            groups, prefix=f"{EXTRA_PREFIX}optim/", name="optimizer param_groups"
+            groups, prefix=f"{EXTRA_PREFIX}optim/", name="optimizer param_groups", dtypes=_DTYPES
         )
         extra.update(found)
         objects = {}
         for name, obj in self.objects.items():
             objects[name], found = encode_tree(
-                obj.state_dict(), prefix=f"{EXTRA_PREFIX}{name}/", name=name
+                obj.state_dict(), prefix=f"{EXTRA_PREFIX}{name}/", name=name, dtypes=_DTYPES
             )
             extra.update(found)
         document["objects"] = objects
@@ -177,8 +180,14 @@ def load_state_tensors(
 def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Optimizer state shaped like its parameter (a DTensor shard for FSDP2); scalars stay."""
     if isinstance(param, DTensor) and value.dim() > 0:
+        # Received state is on the CPU; a plain tensor is moved by `load_state_dict`, a DTensor
+        # must be built on its mesh's device.
         return DTensor.from_local(
-            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            value.to(param.to_local().device),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
         )
     return value
 

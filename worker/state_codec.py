@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -30,8 +30,9 @@ _KEY_TYPES = (str, int, float, bool, type(None))
 
 
 class _Encoder:
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, dtypes: Collection[torch.dtype] | None) -> None:
         self.prefix = prefix
+        self.dtypes = dtypes
         self.tensors: dict[str, torch.Tensor] = {}
 
     def value(self, value: Any, path: str, depth: int) -> Any:
@@ -43,6 +44,11 @@ class _Encoder:
             # JSON has no NaN or infinities; repr() round-trips every float exactly.
             return value if math.isfinite(value) else {_FLOAT: repr(value)}
         if isinstance(value, torch.Tensor):
+            if self.dtypes is not None and value.dtype not in self.dtypes:
+                raise TypeError(
+                    f"state {path} is a {value.dtype} tensor, which the state format does not "
+                    f"carry; convert it to one of {sorted(str(d) for d in self.dtypes)}"
+                )
             name = f"{self.prefix}{len(self.tensors)}"
             self.tensors[name] = value.detach()
             return {_TENSOR: name}
@@ -71,10 +77,13 @@ class _Encoder:
         return {_DICT: pairs}
 
 
-def encode_tree(value: Any, *, prefix: str, name: str) -> tuple[Any, dict[str, torch.Tensor]]:
+def encode_tree(
+    value: Any, *, prefix: str, name: str, dtypes: Collection[torch.dtype] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """`value` as a JSON-ready tree and the tensors it references (named `<prefix><n>`); the
-    tensors are the caller's (not copied). `name` labels errors."""
-    encoder = _Encoder(prefix)
+    tensors are the caller's (not copied). `name` labels errors; `dtypes`, if given, are the only
+    tensor dtypes accepted."""
+    encoder = _Encoder(prefix, dtypes)
     return encoder.value(value, repr(name), 0), encoder.tensors
 
 
@@ -93,7 +102,9 @@ def decode_tree(tree: Any, tensors: Mapping[str, torch.Tensor], depth: int = 0) 
         if tag == _TENSOR:
             if not isinstance(body, str) or body not in tensors:
                 raise ValueError(f"state document references a missing tensor {body!r}")
-            return tensors[body]
+            # A compact copy: received tensors are views into one fetch buffer, and some
+            # consumers read storage from its start (torch.set_rng_state ignores the offset).
+            return tensors[body].clone()
         if tag == _TUPLE:
             return tuple(decode_tree(_list(body), tensors, depth + 1))
         if tag == _FLOAT:

@@ -460,22 +460,30 @@ class _Ledger:
 
 def _unannounced_rollbacks(log: RunLog, commits: list[CommitEvent]) -> list[float]:
     """Rollbacks no launcher announced: every replica was lost at once and the job went on from
-        its last durable checkpoint (restart policy `replica`). One shows as a commit two or more
-        steps behind one already made, by a replica that started again, at or below that step,
-        after it: replicas of one quorum commit within a step of each other, so nothing else goes
-        back. Its time starts the new generation (it is the first commit of it). `commits` are the
-    log's commits in time order."""
+    its last durable checkpoint (restart policy `replica`). One shows as a commit, by a replica
+    that started again (at or below that step) since, of a step it had committed already itself,
+    or two or more steps behind one any replica made: replicas of one quorum commit within a step
+    of each other, and a replica that restarts catches up past its last commit, so nothing else
+    goes back. Its time starts the new generation (it is the first commit of it). `commits` are
+    the log's commits in time order."""
     starts = [e for events in log.replicas.values() for e in events if isinstance(e, StartEvent)]
     times: list[float] = []
     frontier, frontier_t = -1, float("-inf")
+    last: dict[str, tuple[int, float]] = {}
+    """Per replica, its newest commit (step, time) in the current generation."""
     for c in commits:
-        if c.step <= frontier - 2 and any(
-            s.replica == c.replica and frontier_t < s.t < c.t and s.step <= c.step for s in starts
+        own_step, own_t = last.get(c.replica, (-1, float("-inf")))
+        behind = c.step <= frontier - 2 or c.step <= own_step
+        since = frontier_t if c.step <= frontier - 2 else own_t
+        if behind and any(
+            s.replica == c.replica and since < s.t < c.t and s.step <= c.step for s in starts
         ):
             times.append(c.t)
             frontier = c.step
+            last = {}
         if c.step >= frontier:
             frontier, frontier_t = c.step, c.t
+        last[c.replica] = (c.step, c.t)
     return times
 
 

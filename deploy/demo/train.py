@@ -28,6 +28,7 @@ from fthsdp.worker.ftar import FtarConfig
 from fthsdp.worker.manager import Manager
 from fthsdp.worker.optim import OptimizerWrapper
 from fthsdp.worker.replica_group import ReplicaGroup
+from fthsdp.worker.rng_state import RNGState
 from fthsdp.worker.sampler import ExactlyOnceDataLoader
 from fthsdp.worker.step import StepOutcome
 
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=optimizer,
         group=group,
         samples_per_step=samples_per_step,
+        state={"rng": RNGState()},  # its generators continue like the source's after a catch-up
         on_commit=on_commit,
         faults=FaultPlan.from_env(args.replica_id, args.rank),
     )

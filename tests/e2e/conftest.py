@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from fthsdp.deploy.demo.run import DemoConfig, run_demo
+from tests.e2e.up_support import Up
 
 DemoRunner = Callable[..., dict[str, Any]]
 
@@ -41,3 +42,20 @@ def commits_by_replica(report: dict[str, Any]) -> dict[str, list[int]]:
         replica: sorted({s["step"] for s in entry["samples"]})
         for replica, entry in report["replicas"].items()
     }
+
+
+@pytest.fixture
+def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
+    """Starts `fthsdp up` processes (extra flags as arguments); kills what is left after."""
+    started: list[Up] = []
+
+    def start(*extra: str) -> Up:
+        up = Up(tmp_path / "run", *extra)
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()

@@ -142,7 +142,7 @@ def test_user_state_travels_with_catch_up_and_replicas_end_identical(tmp_path: P
     """I1 with user state: r1 joins after r0 trained three steps alone. Its first step catches up
     from r0 (model, optimizer, the optimizer's scheduled lr, a StepLR and a user object with
     tensors, ints and tuples); afterwards both are bitwise identical and so are their objects."""
-    joined = threading.Event()
+    joined, ready = threading.Event(), threading.Event()
     stop_at = 8
     with control_plane(tmp_path, total_replicas=2) as stack:
 
@@ -156,12 +156,15 @@ def test_user_state_travels_with_catch_up_and_replicas_end_identical(tmp_path: P
             manager = stack.manager(
                 replica_id, index, model, inner, state={"scheduler": scheduler, "t": tracker}
             )
+            if replica_id == "r1":
+                ready.set()  # joined the service: r0's next quorum waits for it
             optimizer = OptimizerWrapper(manager)
             recovered = []
             try:
                 while manager.step < stop_at:
                     if replica_id == "r0" and manager.step == 3 and not joined.is_set():
                         joined.set()
+                        assert ready.wait(30)
                     _train_step(manager, optimizer, index)
                     scheduler.step()
                     tracker.update(manager.step)

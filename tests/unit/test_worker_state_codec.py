@@ -81,9 +81,19 @@ def test_hostile_documents_fail_cleanly() -> None:
         read_document(torch.zeros(3))
 
 
-def test_rng_state_restores_every_generator() -> None:
+def test_rng_state_restores_every_generator_from_views_into_one_buffer() -> None:
+    """As received: every tensor a view at an offset into one fetch buffer."""
     rng = RNGState()
-    saved = _round_trip(rng.state_dict())
+    tree, tensors = encode_tree(rng.state_dict(), prefix="x/", name="rng")
+    flat = torch.zeros(8 + sum(-(-t.numel() * t.element_size() // 8) * 8 for t in tensors.values()),
+                       dtype=torch.uint8)  # fmt: skip
+    views, offset = {}, 8
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        piece = flat[offset : offset + size].view(tensor.dtype).reshape(tensor.shape)
+        piece.copy_(tensor)
+        views[key], offset = piece, offset + -(-size // 8) * 8
+    saved = decode_tree(read_document(document_tensor(tree)), views)
     first = (random.random(), np.random.rand(), torch.rand(2))
     rng.load_state_dict(saved)
     again = (random.random(), np.random.rand(), torch.rand(2))
@@ -124,6 +134,17 @@ def test_replicated_state_carries_the_optimizers_scheduled_lr_and_user_objects()
         target.load(tensors)
 
 
+class _Fixed:
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
 def test_replicated_state_refuses_bad_objects_at_construction() -> None:
     model, optimizer = _model_and_optimizer()
     other = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -139,6 +160,9 @@ def test_replicated_state_refuses_bad_objects_at_construction() -> None:
 
     with pytest.raises(TypeError, match=r"'bad'\['callback'\] is a function"):
         ReplicatedState(model, optimizer, {"bad": Bad()})
+    with pytest.raises(TypeError, match=r"'u'\['k'\] is a torch.uint32 tensor"):
+        ReplicatedState(model, optimizer, {"u": _Fixed({"k": torch.zeros(2, dtype=torch.uint32)})})
+    ReplicatedState(model, optimizer, {"rng": RNGState()})  # its tensors are all carried
     with pytest.raises(TypeError, match="no state_dict"):
         ReplicatedState(model, optimizer, {"x": object()})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="state name"):
