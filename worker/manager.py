@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.autograd import Variable
-from torch.distributed.fsdp import FSDPModule
 
 from fthsdp.services.quorum.client import (
     RankEndpoint,
@@ -187,8 +186,9 @@ class Manager:
 
     def start_step(self) -> None:
         """Starts a step: the leader's quorum request goes out so that it overlaps the forward
-        pass. `OptimizerWrapper.zero_grad` calls it; so does the first gradient hook of a
-        backward that was not preceded by it. A step the replica agreed on but whose
+        pass. `OptimizerWrapper.zero_grad` calls it; a backward not preceded by it starts the
+        step itself (then the request no longer overlaps the forward). A step the replica agreed
+        on but whose
         `should_commit` was never called (a GradScaler that skipped the optimizer step on an
         overflow) is committed here: its samples were trained, with no update."""
         if self._synced is not None:
@@ -231,6 +231,8 @@ class Manager:
         """Gradient accumulation: backward passes inside the block only accumulate local
         gradients (FSDP2 modules skip their reduce-scatter too); the first backward after it
         exchanges the sum."""
+        from torch.distributed.fsdp import FSDPModule  # costs a second to import: only here
+
         fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         self._no_sync += 1
         for module in fsdp:
@@ -580,7 +582,7 @@ class Manager:
         self._stop.set()
         for hook in self._hooks:
             hook.remove()
-        self._watch.cancel()
+        self._watch.close()
         if self._records is not None:
             self._records.close(self.step, self.positions)
         if self._link is not None:
@@ -590,3 +592,5 @@ class Manager:
         if self.metrics is not None:
             self.metrics.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for thread in self._threads:  # so no gRPC call of theirs is left when the process exits
+            thread.join(timeout=2)

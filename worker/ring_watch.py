@@ -36,18 +36,22 @@ class RingWatch:
         self._stop = stop
         self._rank = rank
         self._stream: WatchStream | None = None
+        self._client = QuorumClient(config.quorum_address, config.token)
         self.thread = threading.Thread(target=self._run, name="fthsdp-watch", daemon=True)
 
-    def cancel(self) -> None:
-        """Ends the current stream (with `stop` set, the thread then exits)."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """With `stop` set: ends the stream, closes the channel (which cancels a stream being
+        opened right now) and waits for the thread, so no gRPC call outlives the Manager."""
         if self._stream is not None:
             self._stream.cancel()
+        self._client.close()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
 
     def _run(self) -> None:
-        watcher = QuorumClient(self._config.quorum_address, self._config.token)
         while not self._stop.is_set():
             try:
-                self._stream = watcher.watch()
+                self._stream = self._client.watch()
                 for event in self._stream:
                     if self._stop.is_set():
                         break
@@ -66,7 +70,6 @@ class RingWatch:
             except Exception as exc:
                 log.debug("watch stream ended: %s", exc, extra=self._context())
             self._stop.wait(_RETRY_S)
-        watcher.close()
 
     def _context(self, **fields: object) -> dict[str, object]:
         return {"replica_id": self._config.replica_id, "rank": self._rank, **fields}

@@ -18,6 +18,7 @@ import torch
 from fthsdp.deploy.stack import LocalStack
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.manager import Manager
+from fthsdp.worker.optim import OptimizerWrapper
 from fthsdp.worker.replica_group import ReplicaGroup
 
 JOIN_S = 60.0
@@ -86,6 +87,19 @@ def control_plane(tmp_path: Path, *, total_replicas: int, min_replicas: int = 1)
     )
     with local:
         yield Stack(local=local, token=token, total_replicas=total_replicas)
+
+
+@contextmanager
+def lone_replica(tmp_path: Path, **overrides: Any) -> Iterator[tuple[Manager, OptimizerWrapper]]:
+    """A job of one replica: `tiny_model` under SGD (lr 0.1), its Manager and optimizer wrapper."""
+    with control_plane(tmp_path, total_replicas=1) as stack:
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        manager = stack.manager("r0", 0, model, optimizer, **overrides)
+        try:
+            yield manager, OptimizerWrapper(manager)
+        finally:
+            manager.shutdown()
 
 
 def run_replicas(*bodies: Callable[[], Any], timeout_s: float = JOIN_S) -> list[Any]:

@@ -14,7 +14,13 @@ import torch
 
 from fthsdp.worker.manager import Manager
 from fthsdp.worker.optim import OptimizerWrapper
-from tests.integration.manager_support import batch, control_plane, run_replicas, tiny_model
+from tests.integration.manager_support import (
+    batch,
+    control_plane,
+    lone_replica,
+    run_replicas,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -194,63 +200,46 @@ def test_user_state_travels_with_catch_up_and_replicas_end_identical(tmp_path: P
 def test_a_skipped_optimizer_step_still_commits_its_samples(tmp_path: Path) -> None:
     """What a GradScaler does on an overflow: backward, then no optimizer step. The next
     zero_grad commits the step (its samples were trained, with no update)."""
-    with control_plane(tmp_path, total_replicas=1) as stack:
-        model = tiny_model()
-        manager = stack.manager("r0", 0, model, torch.optim.SGD(model.parameters(), lr=0.1))
-        optimizer = OptimizerWrapper(manager)
-        try:
-            before = [p.detach().clone() for p in model.parameters()]
-            optimizer.zero_grad()
-            _loss(model, 0, 0).backward()
-            optimizer.zero_grad()  # the step is skipped
-            assert manager.step == 1
-            assert manager.positions.get("r0") == 1
-            for p, old in zip(model.parameters(), before, strict=True):
-                assert torch.equal(p, old)
-            _loss(model, 0, 1).backward()
-            optimizer.step()
-            assert manager.step == 2
-        finally:
-            manager.shutdown()
+    with lone_replica(tmp_path) as (manager, optimizer):
+        model = manager.model
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        _loss(model, 0, 0).backward()
+        optimizer.zero_grad()  # the step is skipped
+        assert manager.step == 1
+        assert manager.positions.get("r0") == 1
+        for p, old in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p, old)
+        _loss(model, 0, 1).backward()
+        optimizer.step()
+        assert manager.step == 2
 
 
 def test_misuse_raises_at_the_call(tmp_path: Path) -> None:
-    with control_plane(tmp_path, total_replicas=1) as stack:
-        model = tiny_model()
-        manager = stack.manager("r0", 0, model, torch.optim.SGD(model.parameters(), lr=0.1))
-        optimizer = OptimizerWrapper(manager)
-        try:
-            with pytest.raises(RuntimeError, match="no step in progress"):
-                optimizer.step()
-            optimizer.zero_grad()
-            _loss(model, 0, 0).backward()
-            with pytest.raises(RuntimeError, match="second backward"):
-                _loss(model, 0, 0).backward()
+    with lone_replica(tmp_path) as (manager, optimizer):
+        with pytest.raises(RuntimeError, match="no step in progress"):
             optimizer.step()
-            with pytest.raises(RuntimeError, match="no step in progress"):
-                optimizer.step()
-            with pytest.raises(TypeError, match="closure"):
-                optimizer.step(lambda: 0.0)
-            with pytest.raises(RuntimeError, match="param groups"):
-                optimizer.add_param_group({"params": []})
-            assert manager.step == 1
-        finally:
-            manager.shutdown()
+        optimizer.zero_grad()
+        _loss(manager.model, 0, 0).backward()
+        with pytest.raises(RuntimeError, match="second backward"):
+            _loss(manager.model, 0, 0).backward()
+        optimizer.step()
+        with pytest.raises(RuntimeError, match="no step in progress"):
+            optimizer.step()
+        with pytest.raises(TypeError, match="closure"):
+            optimizer.step(lambda: 0.0)
+        with pytest.raises(RuntimeError, match="param groups"):
+            optimizer.add_param_group({"params": []})
+        assert manager.step == 1
 
 
 def test_the_leader_serves_prometheus_metrics_when_asked(tmp_path: Path) -> None:
-    with control_plane(tmp_path, total_replicas=1) as stack:
-        model = tiny_model()
-        manager = stack.manager("r0", 0, model, torch.optim.SGD(model.parameters()), metrics_port=0)
-        optimizer = OptimizerWrapper(manager)
-        try:
-            for _ in range(3):
-                _train_step(manager, optimizer, 0)
-            assert manager.metrics is not None
-            url = f"http://{manager.metrics.address}/metrics"
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        finally:
-            manager.shutdown()
+    with lone_replica(tmp_path, metrics_port=0) as (manager, optimizer):
+        for _ in range(3):
+            _train_step(manager, optimizer, 0)
+        assert manager.metrics is not None
+        url = f"http://{manager.metrics.address}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
     assert 'fthsdp_worker_commits_total{replica="r0"} 3.0' in text
     assert 'fthsdp_worker_step_seconds_count{replica="r0"} 3.0' in text
     assert 'fthsdp_worker_healthy_replicas{replica="r0"} 1.0' in text
