@@ -1,10 +1,10 @@
-"""`python -m deploy.probe`: container health checks with the standard library alone.
+"""`python -m fthsdp.deploy.probe`: container health checks with the standard library alone.
 
 The service images are slim (no curl, no wget), so their HEALTHCHECK and the compose health checks
 run this module instead:
 
-    python -m deploy.probe http://127.0.0.1:7451/livez          # 2xx → exit 0, else 1
-    python -m deploy.probe --fresh /data/run/replicas/r0.jsonl --max-age-s 300
+    python -m fthsdp.deploy.probe http://127.0.0.1:7451/livez          # 2xx → exit 0, else 1
+    python -m fthsdp.deploy.probe --fresh /data/run/replicas/r0.jsonl --max-age-s 300
 
 `--fresh` passes while a file was modified recently: a replica's leader appends a line per
 committed step, so a stale file means the replica stopped making progress (a hang), which an
@@ -48,7 +48,7 @@ def file_fresh(path: Path, max_age_s: float, now: float | None = None) -> tuple[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.probe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fthsdp.deploy.probe", description=__doc__)
     parser.add_argument("url", nargs="?", help="HTTP URL that must answer 2xx")
     parser.add_argument("--fresh", type=Path, help="file that must have been modified recently")
     parser.add_argument(

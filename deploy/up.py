@@ -1,7 +1,7 @@
 """`fthsdp up`: the fthsdp control plane alone, as supervised local processes.
 
-It starts `python -m services.quorum`, `python -m services.checkpoint` and (once it exists)
-`python -m services.health --mode central`, each its own process with its log under
+It starts `python -m fthsdp.services.quorum`, `python -m fthsdp.services.checkpoint` and
+`python -m fthsdp.services.health --mode central`, each its own process with its log under
 `RUN_DIR/logs/`, waits until they answer `/readyz`, then writes an env file
 
     FTHSDP_QUORUM=127.0.0.1:PORT[,127.0.0.1:PORT]    # leader + standby with --redis
@@ -162,7 +162,7 @@ class UpConfig:
 
 
 def health_available() -> bool:
-    """Whether this checkout has the health service (`python -m services.health`)."""
+    """Whether this checkout has the health service (`python -m fthsdp.services.health`)."""
     try:
         return importlib.util.find_spec("fthsdp.services.health.__main__") is not None
     except ImportError:

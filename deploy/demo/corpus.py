@@ -2,8 +2,8 @@
 
 The corpus is generated from a small seeded grammar (so it has structure a tiny model learns within
 a hundred steps: recurring words, agreement, punctuation) and committed as `corpus.txt`, so a demo
-needs no download. `python -m deploy.demo.corpus --write` regenerates it byte for byte; a unit
-test checks the committed file still matches the generator.
+needs no download. `python -m fthsdp.deploy.demo.corpus --write` regenerates it byte for byte; a
+unit test checks the committed file still matches the generator.
 
 Samples are addressed by a global id, not by a position in an epoch: the training loop hands out
 ids exactly once (invariant I2), and `CharDataset.sample(id)` turns an id into the same window on
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     current = CORPUS_PATH.read_text(encoding="utf-8") if CORPUS_PATH.exists() else ""
     if current != text:
-        print(f"{CORPUS_PATH} is stale; run python -m deploy.demo.corpus --write")
+        print(f"{CORPUS_PATH} is stale; run python -m fthsdp.deploy.demo.corpus --write")
         return 1
     return 0
 

@@ -1,7 +1,7 @@
 """One rank of the demo job: a tiny GPT trained with the fthsdp Manager.
 
-Started by the local launcher (one process per rank, `python -m deploy.demo.train ...`); it can
-equally run under torchrun (one torchrun job per replica) since it reads RANK/WORLD_SIZE/
+Started by the local launcher (one process per rank, `python -m fthsdp.deploy.demo.train ...`); it
+can equally run under torchrun (one torchrun job per replica) since it reads RANK/WORLD_SIZE/
 MASTER_ADDR/MASTER_PORT when the flags are absent. The replica leader appends JSON lines to
 `<run-dir>/replicas/<replica>.jsonl` (the format `deploy.demo.report` reads)."""
 

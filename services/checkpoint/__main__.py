@@ -1,4 +1,4 @@
-"""`python -m services.checkpoint` / `fthsdp-checkpoint`: run one checkpoint sidecar.
+"""`python -m fthsdp.services.checkpoint` / `fthsdp-checkpoint`: run one checkpoint sidecar.
 
 Precedence: flag > FTHSDP_CHECKPOINT_<FLAG> env > default. Prints `listening on <url>` once bound
 (port 0 picks a free port). SIGTERM/SIGINT drain and stop; a second SIGINT exits at once."""

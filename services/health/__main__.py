@@ -1,4 +1,4 @@
-"""`python -m services.health` / `fthsdp-health`: run the central health service or a node agent.
+"""`python -m fthsdp.services.health` / `fthsdp-health`: the central health service or a node agent.
 
 Flags carry units; each falls back to an `FTHSDP_HEALTH_*` environment variable, then to the
 default (flag > env > default). This is the only module that reads the environment. SIGTERM or

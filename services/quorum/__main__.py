@@ -1,4 +1,4 @@
-"""`python -m services.quorum` / `fthsdp-quorum`: run the quorum service.
+"""`python -m fthsdp.services.quorum` / `fthsdp-quorum`: run the quorum service.
 
 Flags carry units; each falls back to an `FTHSDP_QUORUM_*` environment variable, then to the
 `QuorumConfig` default (flag > env > default). This is the only module that reads the

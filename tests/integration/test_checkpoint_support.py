@@ -94,7 +94,7 @@ def sidecars(tmp_path: Path, token: str) -> Iterator[Callable[..., CheckpointSer
 
 
 class SpawnedSidecar:
-    """A sidecar in its own process (`python -m services.checkpoint`), for real kills."""
+    """A sidecar in its own process (`python -m fthsdp.services.checkpoint`), for real kills."""
 
     def __init__(self, root: Path, token: str, *extra: str) -> None:
         self.shm_dir = root / "shm"

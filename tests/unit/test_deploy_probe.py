@@ -1,4 +1,4 @@
-"""`python -m deploy.probe`, the images' health check: HTTP status and file freshness."""
+"""`python -m fthsdp.deploy.probe`, the images' health check: HTTP status and file freshness."""
 
 from __future__ import annotations
 
