@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -57,5 +58,8 @@ def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
     yield start
     for up in started:
         if up.proc.poll() is None:
-            up.proc.kill()
-            up.proc.wait()
+            try:
+                up.stop()  # SIGTERM: the stack removes its shared-memory directory
+            except subprocess.TimeoutExpired:
+                up.proc.kill()
+                up.proc.wait()
