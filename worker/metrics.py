@@ -28,6 +28,9 @@ class WorkerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["replica"], registry=self.registry).labels(**labels)
 
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["replica"], registry=self.registry).labels(**labels)
+
         self.step_seconds = histogram(
             "fthsdp_worker_step_seconds", "Wall time of a committed step, start_step to commit."
         )
@@ -53,18 +56,14 @@ class WorkerMetrics:
             "fthsdp_worker_exchange_bytes_total",
             "Gradient bytes of this rank's share in committed cross-replica exchanges.",
         )
-        self.exchange_gbps = Gauge(
+        self.exchange_gbps = gauge(
             "fthsdp_worker_exchange_gigabytes_per_second",
             "Throughput of the last committed exchange (GB/s of this rank's share).",
-            ["replica"],
-            registry=self.registry,
-        ).labels(**labels)
-        self.healthy_replicas = Gauge(
+        )
+        self.healthy_replicas = gauge(
             "fthsdp_worker_healthy_replicas",
             "Replicas whose gradients the last committed step averaged.",
-            ["replica"],
-            registry=self.registry,
-        ).labels(**labels)
+        )
         self._server = AdminServer(host, port, self.registry, lambda: True, name="worker-metrics")
         self._server.start()
 

@@ -121,11 +121,13 @@ class ReplicatedState:
                 f"user state names differ: here {sorted(self.objects)}, "
                 f"source {sorted(objects) if isinstance(objects, dict) else objects!r}"
             )
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            # Only hyperparameters this optimizer has: a peer's document never swaps `params`.
+            if not isinstance(saved, dict) or not set(saved) <= set(group) - {"params"}:
+                raise ValueError("a received param group holds keys this optimizer does not")
         core = {k: v for k, v in tensors.items() if k.startswith((MODEL_PREFIX, OPTIM_PREFIX))}
         load_state_tensors(self.model, self.optimizer, core)
         for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
-            if not isinstance(saved, dict):
-                raise ValueError("a saved param group must be an object")
             for key, value in saved.items():
                 current = group.get(key)
                 if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):

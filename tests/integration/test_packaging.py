@@ -4,6 +4,7 @@ public API, the service entry points and the console scripts work from there."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIRS = ("fthsdp", "protos", "services", "worker", "deploy", "bench")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,10 +24,19 @@ def _site_packages(venv: Path) -> Path:
 
 
 def test_the_wheel_installs_only_the_fthsdp_name_into_a_fresh_venv(tmp_path: Path) -> None:
+    # Built from a copy: an in-tree build would leave build/ and *.egg-info in the checkout.
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *PACKAGE_DIRS):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        else:
+            shutil.copy2(ROOT / name, source / name)
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(dist), str(ROOT)],
+         "-w", str(dist), str(source)],
         check=True, cwd=tmp_path, timeout=240,
     )  # fmt: skip
     [wheel] = dist.glob("fthsdp-*.whl")

@@ -127,6 +127,10 @@ def test_replicated_state_carries_the_optimizers_scheduled_lr_and_user_objects()
     scheduler.step()
     assert target_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
+    forged = read_document(tensors[DOCUMENT])
+    forged["optim_groups"][0]["params"] = [0]
+    with pytest.raises(ValueError, match="keys this optimizer does not"):
+        target.load({**tensors, DOCUMENT: document_tensor(forged)})
     with pytest.raises(ValueError, match="user state names differ"):
         ReplicatedState(*_model_and_optimizer()).load(tensors)
     del tensors[DOCUMENT]
