@@ -181,9 +181,11 @@ class ReplicaGroup:
         dist.all_gather(slices, mine, group=self.group)
 
     def close(self) -> None:
-        """Leaves the process group."""
+        """Leaves the process group, and drops this object's handle to it, so the backend and
+        its threads go now rather than whenever the interpreter tears down. Idempotent."""
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        self.group = None
 
 
 def default_backend() -> str:

@@ -98,7 +98,9 @@ class ExactlyOnceSampler(Sampler[list[int]]):
 class ExactlyOnceDataLoader(DataLoader[Any]):
     """`DataLoader(dataset, batch_size=..., shuffle=..., num_workers=..., ...)` with batches at
     the replica's committed position (see the module doc). Every DataLoader option but
-    `sampler`, `batch_sampler` and `drop_last` is accepted; iteration never ends."""
+    `sampler`, `batch_sampler` and `drop_last` is accepted; iteration never ends. Workers start
+    through `forkserver` unless `multiprocessing_context` says otherwise (so the dataset must
+    pickle, as with spawn)."""
 
     def __init__(
         self,
@@ -120,6 +122,10 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
         self.exactly_once = ExactlyOnceSampler(
             manager, len(dataset), batch_size=batch_size, shuffle=shuffle, seed=seed
         )
+        if options.get("num_workers", 0) > 0:
+            # A rank runs gRPC threads (the quorum and health clients): a worker forked from it
+            # can crash in gRPC's state. forkserver forks workers from a clean server process.
+            options.setdefault("multiprocessing_context", "forkserver")
         super().__init__(dataset, batch_sampler=self.exactly_once, **options)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

@@ -351,7 +351,9 @@ class FtarRing:
         conn.shutdown_quietly(self._listener)
         self._events.put(("wake", -1, 0, 0, None))
         self._work_q.put(None)
-        for t in self._threads[:2]:
+        # Every thread, the sender and receiver too (the comm loop's exit stops them): none of
+        # them may still be running when the process exits.
+        for t in self._threads:
             t.join(timeout=10)
         with self._lock:
             self._flush_graveyard()
