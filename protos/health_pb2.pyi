@@ -63,10 +63,16 @@ class HeartbeatRecord(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The last step the rank committed (-1 before the first)."""
     at: _builtins.float
     """When the rank sent it (sender's clock)."""
+    process: _builtins.str
+    """The rank's process: a value unique to each start of it (<= 64 chars; empty when unknown).
+    A new value means the rank restarted, so nothing its previous process had entered (an open
+    collective) is waiting on it any more.
+    """
     @_builtins.property
     def rank(self) -> Global___RankRef:
         """The beating rank."""
@@ -77,10 +83,11 @@ class HeartbeatRecord(_message.Message):
         rank: Global___RankRef | None = ...,
         step: _builtins.int = ...,
         at: _builtins.float = ...,
+        process: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "rank", b"rank", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "process", b"process", "rank", b"rank", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -306,10 +313,13 @@ class NodeRank(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     SILENT_S_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The last step it reported (-1 before the first)."""
     silent_s: _builtins.float
     """Seconds since the agent last heard from it (>= 0), measured on the agent's clock."""
+    process: _builtins.str
+    """Its process as its last heartbeat named it (see HeartbeatRecord.process)."""
     @_builtins.property
     def rank(self) -> Global___RankRef:
         """The rank."""
@@ -320,10 +330,11 @@ class NodeRank(_message.Message):
         rank: Global___RankRef | None = ...,
         step: _builtins.int = ...,
         silent_s: _builtins.float = ...,
+        process: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "silent_s", b"silent_s", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["process", b"process", "rank", b"rank", "silent_s", b"silent_s", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -304,13 +304,17 @@ class _Driver:
         self.supervisor.poll()
 
     def train(self, rng: random.Random) -> None:
-        """Trains for `duration` from the moment every replica is healthy (start-up, which
-        takes seconds on a loaded machine, does not count), injecting a failure every
-        `kill_every` except in the last stretch."""
+        """Trains for `duration` from the moment every replica is healthy and the first step
+        has committed (start-up, which takes seconds on a loaded machine and longer still with
+        data-loader workers to spawn, does not count), injecting a failure every `kill_every`
+        except in the last stretch. A failure before the first commit would test nothing: the
+        victim restarts at step 0 with nothing to catch up."""
         config = self.config
         everyone = {r.replica_id for r in self.supervisor.replicas}
         deadline = time.monotonic() + config.settle_timeout.total_seconds()
-        while time.monotonic() < deadline and set(self.quorum.healthy) != everyone:
+        while time.monotonic() < deadline and (
+            set(self.quorum.healthy) != everyone or self.quorum.max_step < 1
+        ):
             self.supervise()
             time.sleep(0.05)
         start = time.monotonic()

@@ -213,7 +213,14 @@ class NodeAgent:
             beat = self._detector.last_beat(rank)
             if beat is None or self._detector.silent(rank):
                 continue
-            ranks.append(NodeRank(rank=rank, step=beat.step, silent_s=max(0.0, now - beat.at)))
+            ranks.append(
+                NodeRank(
+                    rank=rank,
+                    step=beat.step,
+                    silent_s=max(0.0, now - beat.at),
+                    process=beat.process,
+                )
+            )
         return NodeState(node=self._config.node, ranks=tuple(ranks), dropped=self._dropped)
 
     def _take_batch(self) -> ReportBatch:

@@ -8,10 +8,11 @@ queued as batches of at most `max_batch` records, plus a heartbeat every `heartb
 carrying the last step set with `set_step` (the liveness signal with progress of two-level
 heartbeats: the thread beats while the rank's process runs, so a process that dies or is stopped
 falls silent, while a rank stuck inside a collective keeps beating without progress and is a
-hang, not a fail-stop). A dead or slow health service costs a failed RPC in that thread and a
-backoff (up to 2 s) before the next try; records queued meanwhile are dropped once the queue is
-full. Invalid records (bad arguments) are dropped and counted too, never raised, so one bad
-value cannot poison a batch."""
+hang, not a fail-stop; each heartbeat names this start of the process, so a restart is told
+apart from a rank that merely went quiet). A dead or slow health service costs a failed RPC in
+that thread and a backoff (up to 2 s) before the next try; records queued meanwhile are dropped
+once the queue is full. Invalid records (bad arguments) are dropped and counted too, never
+raised, so one bad value cannot poison a batch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import contextlib
 import logging
 import math
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -91,6 +93,9 @@ class TelemetryClient:
         self._rank = pb.RankRef(replica_id=replica_id, rank=rank)
         self._host = check_text(host or socket.gethostname() or "localhost", "host")
         self._source = f"{replica_id}/{rank}"
+        # Names this start of the rank in every heartbeat: a restarted rank beats with a new
+        # value, which tells the service its old process is inside nothing any more.
+        self._process = secrets.token_hex(8)
         self._heartbeat_s = heartbeat_interval.total_seconds()
         self._flush_s = flush_interval.total_seconds()
         self._max_batch = max_batch
@@ -251,7 +256,7 @@ class TelemetryClient:
             if not self._encode(request, ("collective", *entry, None)):
                 self._count_drop(1)
         if beat:
-            hb = request.heartbeats.add(step=self._step, at=time.time())
+            hb = request.heartbeats.add(step=self._step, at=time.time(), process=self._process)
             hb.rank.CopyFrom(self._rank)
         if final and self._leave_reason is not None and self._queue.empty():
             request.left.add(rank=self._rank, reason=self._leave_reason)

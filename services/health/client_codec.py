@@ -48,6 +48,8 @@ class NodeRank:
     step: int
     silent_s: float
     """Seconds since the agent last heard from it (clock-free: a duration)."""
+    process: str = ""
+    """Its process as its last heartbeat named it (`Heartbeat.process`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,7 +132,11 @@ def batch_from_pb(msg: pb.ReportRequest, now: float) -> ReportBatch:
 def _heartbeat(msg: pb.HeartbeatRecord, host: str, shift: float) -> Heartbeat:
     at = check_time(msg.at, "heartbeat.at")
     return Heartbeat(
-        rank=_rank(msg.rank), host=host, step=check_step(msg.step, minimum=-1), at=at + shift
+        rank=_rank(msg.rank),
+        host=host,
+        step=check_step(msg.step, minimum=-1),
+        at=at + shift,
+        process=check_text(msg.process, "heartbeat.process", MAX_OP_CHARS),
     )
 
 
@@ -231,6 +237,7 @@ def _node(msg: pb.NodeState) -> NodeState:
             rank=_rank(r.rank),
             step=check_step(r.step, minimum=-1),
             silent_s=check_duration(r.silent_s, "node.ranks.silent_s"),
+            process=check_text(r.process, "node.ranks.process", MAX_OP_CHARS),
         )
         for r in msg.ranks
     )
@@ -314,7 +321,7 @@ def node_to_pb(state: NodeState) -> pb.NodeState:
         node=state.node,
         dropped=state.dropped,
         ranks=[
-            pb.NodeRank(rank=_rank_pb(r.rank), step=r.step, silent_s=r.silent_s)
+            pb.NodeRank(rank=_rank_pb(r.rank), step=r.step, silent_s=r.silent_s, process=r.process)
             for r in state.ranks
         ],
     )
@@ -327,7 +334,7 @@ def batch_to_pb(batch: ReportBatch, sent_at: float) -> pb.ReportRequest:
         host=batch.host,
         sent_at=sent_at,
         heartbeats=[
-            pb.HeartbeatRecord(rank=_rank_pb(h.rank), step=h.step, at=h.at)
+            pb.HeartbeatRecord(rank=_rank_pb(h.rank), step=h.step, at=h.at, process=h.process)
             for h in batch.heartbeats
         ],
         steps=[step_to_pb(s) for s in batch.steps],

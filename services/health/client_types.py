@@ -11,6 +11,7 @@ always be reported to it."""
 MAX_NAME_CHARS = 256
 """host, source, group names."""
 MAX_OP_CHARS = 64
+"""collective operations and process identifiers."""
 MAX_TEXT_CHARS = 1024
 """summaries and reasons."""
 MAX_EVIDENCE_BYTES = 16384

@@ -8,7 +8,9 @@ which is what makes root-cause analysis of a hang at 100K ranks sub-second.
 Incidents are raised on transitions: each detector reports a condition once, and again only after
 it cleared and came back. `evaluate` returns what is new since its last call; incidents the
 wire already holds are never repeated. A rank already reported fail-stop is not reported again as
-the culprit of the hang its death causes (the fail-stop incident says it first and better)."""
+the culprit of the hang its death causes (the fail-stop incident says it first and better), and a
+rank that restarted (a heartbeat names a new process) leaves every collective its old process was
+inside, so a death shorter than the heartbeat timeout is not mistaken for a hang either."""
 
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ class HealthCore:
         "_failstop",
         "_hang_reported",
         "_replicas",
+        "_restarted_at",
         "_sdc",
         "_slowrank",
     )
@@ -88,6 +91,8 @@ class HealthCore:
         self._sdc = SdcDetector(config)
         self._hang_reported: set[tuple[RankId, str, int]] = set()
         self._replicas: dict[str, _Replica] = {}
+        self._restarted_at: dict[RankId, float] = {}
+        """Restarted rank -> its old process's last beat (records older than that are stale)."""
 
     @property
     def config(self) -> DetectorConfig:
@@ -106,8 +111,14 @@ class HealthCore:
     # ---- ingest ---------------------------------------------------------------------------
 
     def heartbeat(self, hb: Heartbeat) -> None:
-        """A rank's heartbeat (also clears its fail-stop mark once it beats again)."""
-        self._failstop.beat(hb)
+        """A rank's heartbeat (also clears its fail-stop mark once it beats again). From a new
+        process of the rank, it also closes whatever the old process had entered: a dead
+        process waits for nothing and holds nobody up, so it is never the culprit of a hang
+        (its death is the fail-stop detector's to report, or the supervisor's)."""
+        old_process_last_beat = self._failstop.beat(hb)
+        if old_process_last_beat is not None:
+            self._collectives.leave(hb.rank)
+            self._restarted_at[hb.rank] = old_process_last_beat
         replica = self._replica(hb.rank)
         replica.last_step = max(replica.last_step, hb.step)
         replica.last_seen = hb.at if replica.last_seen is None else max(replica.last_seen, hb.at)
@@ -122,10 +133,17 @@ class HealthCore:
         self._failslow.add(records)
 
     def collectives(self, records: Sequence[CollectiveRecord]) -> None:
-        """Collective records: an entry (ended_at None) then an exit, or one record for both."""
+        """Collective records: an entry (ended_at None) then an exit, or one record for both.
+        Records a restarted rank's old process made before its last heartbeat, arriving late
+        (a node agent's backlog), are dropped: that process is gone."""
+        fresh = []
         for record in records:
+            cutoff = self._restarted_at.get(record.rank)
+            if cutoff is not None and record.started_at <= cutoff:
+                continue
             self._replica(record.rank)
-        self._collectives.add(records)
+            fresh.append(record)
+        self._collectives.add(fresh)
 
     def fingerprint(self, fp: Fingerprint) -> None:
         """A replica's parameter digest at a step."""
@@ -135,6 +153,7 @@ class HealthCore:
         """A clean exit: the rank is forgotten by every detector; its silence is no incident."""
         self._failstop.leave(rank)
         self._collectives.leave(rank)
+        self._restarted_at.pop(rank, None)
         replica = self._replicas.get(rank.replica_id)
         if replica is None:
             return

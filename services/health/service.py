@@ -116,7 +116,11 @@ class CentralEngine:
             self._agent_failstops.discard(entry.rank)  # it beats again
             self.core.heartbeat(
                 Heartbeat(
-                    rank=entry.rank, host=state.node, step=entry.step, at=now - entry.silent_s
+                    rank=entry.rank,
+                    host=state.node,
+                    step=entry.step,
+                    at=now - entry.silent_s,
+                    process=entry.process,
                 )
             )
         self._nodes[state.node] = NodeView(

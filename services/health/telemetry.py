@@ -31,6 +31,9 @@ class Heartbeat:
     """The last step this rank committed (-1 before the first)."""
     at: float
     """When the rank sent it."""
+    process: str = ""
+    """Unique to each start of the rank's process ("" when unknown): a new value means the rank
+    restarted, and nothing its previous process had entered is waiting on it any more."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
-from fthsdp.services.health.client_codec import ReportBatch
+from fthsdp.services.health.client_codec import ReportBatch, batch_from_pb, batch_to_pb
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.telemetry import Heartbeat, RankId, StepRecord
@@ -99,3 +99,17 @@ async def test_the_buffer_keeps_the_newest_records_and_counts_drops() -> None:
     first = agent._take_batch()
     assert [s.step for s in first.steps] == list(range(30, 40))
     assert first.node is not None and first.node.dropped == 30
+
+
+async def test_the_node_state_names_each_ranks_process_through_the_wire() -> None:
+    """The central service tells a restarted rank from a quiet one by the process its agent
+    last heard from; that name survives the agent's node state and its encoding."""
+    agent, _, clock = _agent()
+    rank = RankId(replica_id="r0", rank=0)
+    beat = Heartbeat(rank=rank, host="n1", step=3, at=clock.now, process="p-2")
+    await agent.ingest(ReportBatch(source="x", host="n1", heartbeats=(beat,)))
+    batch = ReportBatch(source="a", host="n1", heartbeats=(beat,), node=agent.node_state())
+    decoded = batch_from_pb(batch_to_pb(batch, sent_at=clock.now), now=clock.now)
+    assert decoded.node is not None
+    assert [(r.rank, r.process) for r in decoded.node.ranks] == [(rank, "p-2")]
+    assert [h.process for h in decoded.heartbeats] == ["p-2"]

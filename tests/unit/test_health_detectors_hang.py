@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from fthsdp.services.health.core import HealthCore
 from fthsdp.services.health.detectors.config import DetectorConfig
-from fthsdp.services.health.telemetry import CollectiveRecord, IncidentKind, RankId
+from fthsdp.services.health.telemetry import (
+    CollectiveRecord,
+    Heartbeat,
+    IncidentKind,
+    RankId,
+)
 
 CFG = DetectorConfig(hang_timeout_s=5.0)
 
@@ -81,3 +86,39 @@ def test_a_clean_leave_unblocks_the_collective() -> None:
     core.rank_left(RankId(replica_id="a", rank=1))
     core.collectives([_rec("b", 1, "ftar:1:1", 1, 1.0, 1.2)])
     assert core.evaluate(10.0) == []
+
+
+def _beat(replica: str, rank: int, at: float, process: str) -> Heartbeat:
+    return Heartbeat(
+        rank=RankId(replica_id=replica, rank=rank), host="h", step=1, at=at, process=process
+    )
+
+
+def test_a_restarted_rank_is_not_the_culprit_of_what_its_old_process_left_open() -> None:
+    """A rank killed inside a ring collective and restarted faster than the heartbeat timeout:
+    its new process beats, so the collective its old process never left blocks nobody."""
+    core = HealthCore(CFG)
+    _healthy_round(core, 0, 0.0)
+    core.heartbeat(_beat("a", 0, 0.5, "old"))
+    core.collectives(
+        [_rec("a", 0, "ftar:1:0", 1, 1.0, None), _rec("b", 0, "ftar:1:0", 1, 1.0, 1.5)]
+    )
+    core.heartbeat(_beat("a", 0, 2.0, "new"))
+    # The old process's entry, late from an agent's backlog, is stale too.
+    core.collectives([_rec("a", 0, "ftar:1:0", 1, 0.4, None)])
+    core.heartbeat(_beat("a", 0, 6.9, "new"))
+    assert core.evaluate(7.0) == []
+
+
+def test_the_same_process_beating_on_still_hangs_the_collective() -> None:
+    """Beats without a new process change nothing: a rank alive but stuck is a hang (the
+    detector the restart rule must not blind)."""
+    core = HealthCore(CFG)
+    _healthy_round(core, 0, 0.0)
+    core.heartbeat(_beat("a", 0, 0.5, "p1"))
+    core.collectives(
+        [_rec("a", 0, "ftar:1:0", 1, 1.0, None), _rec("b", 0, "ftar:1:0", 1, 1.0, 1.5)]
+    )
+    core.heartbeat(_beat("a", 0, 6.9, "p1"))
+    found = core.evaluate(7.0)
+    assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [("a", 0, "never_left")]

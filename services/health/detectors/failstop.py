@@ -17,6 +17,7 @@ class _Beat:
     host: str
     step: int
     at: float
+    process: str
     reported: bool = False
 
 
@@ -32,18 +33,25 @@ class FailStopDetector:
         self.timeout_s = timeout_s
         self._beats: dict[RankId, _Beat] = {}
 
-    def beat(self, hb: Heartbeat) -> None:
-        """Record a sign of life. An older beat than the last one (reordered batch) is ignored."""
+    def beat(self, hb: Heartbeat) -> float | None:
+        """Record a sign of life. An older beat than the last one (reordered batch) is ignored.
+        When the beat names a new process of a rank already tracked (it restarted), returns the
+        old process's last beat time; None otherwise."""
         last = self._beats.get(hb.rank)
         if last is None:
-            self._beats[hb.rank] = _Beat(hb.host, hb.step, hb.at)
-        elif hb.at >= last.at:
-            last.host, last.step, last.at, last.reported = (
-                hb.host,
-                max(last.step, hb.step),
-                hb.at,
-                False,
-            )
+            self._beats[hb.rank] = _Beat(hb.host, hb.step, hb.at, hb.process)
+            return None
+        if hb.at < last.at:
+            return None
+        restarted = last.at if hb.process and last.process and hb.process != last.process else None
+        last.host, last.step, last.at, last.reported = (
+            hb.host,
+            hb.step if restarted is not None else max(last.step, hb.step),
+            hb.at,
+            False,
+        )
+        last.process = hb.process or last.process
+        return restarted
 
     def leave(self, rank: RankId) -> None:
         """A clean exit: forget the rank, so its silence is never an incident."""
@@ -59,7 +67,9 @@ class FailStopDetector:
         beat = self._beats.get(rank)
         if beat is None:
             return None
-        return Heartbeat(rank=rank, host=beat.host, step=beat.step, at=beat.at)
+        return Heartbeat(
+            rank=rank, host=beat.host, step=beat.step, at=beat.at, process=beat.process
+        )
 
     def tracked(self) -> list[RankId]:
         """Every tracked rank (beating or silent)."""
