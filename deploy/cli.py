@@ -94,7 +94,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )  # fmt: skip
     p.add_argument(
         "--min-replicas", type=int,
-        help="smallest quorum (default: a majority of --replicas, so a minority never trains)",
+        help="smallest quorum (default: half of --replicas, rounded up, so a minority never "
+        "trains; failures are injected only while more replicas than this are healthy)",
     )  # fmt: skip
     p.add_argument(
         "--checkpoint-dir", type=Path,

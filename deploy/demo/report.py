@@ -1,4 +1,4 @@
-"""Read a demo run directory and judge it: the final JSON report with invariants I1 and I2, the
+"""Read a demo run directory and judge it: the final JSON report with invariants I1, I2 and I6, the
 cost of every injected failure, and the effective training time.
 
 A run directory holds `replicas/<replica_id>.jsonl` (one per replica, appended by its leader across
@@ -101,6 +101,8 @@ class RunEvent:
     """Shard positions one replica trains per contributing step."""
     total_replicas: int
     """Shards of the data stream (replicas the job was configured with)."""
+    min_replicas: int = 1
+    """The smallest quorum the quorum service forms."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,6 +274,7 @@ def parse_event(obj: Mapping[str, Any]) -> Event | None:
             seed=_field(obj, "seed", int, 0),
             samples_per_step=_field(obj, "samples_per_step", int, 0),
             total_replicas=_field(obj, "total_replicas", int, len(replicas)),
+            min_replicas=_field(obj, "min_replicas", int, 1),
         )
     if kind == "inject":
         return InjectEvent(
@@ -608,6 +611,21 @@ def _invariant_i2(
     return {"ok": True, "detail": f"{trained} samples trained exactly once"}
 
 
+def _invariant_i6(log: RunLog) -> dict[str, Any]:
+    """No quorum smaller than min_replicas: a minority of the job never trained alone. (The
+    other half of I6, a majority of the live replicas in every round, is the quorum service's
+    own rule; its unit tests check it.)"""
+    floor = log.run.min_replicas if log.run is not None else 1
+    quorums = log.of_type(QuorumEvent)
+    small = next((q for q in quorums if len(q.members) < floor), None)
+    if small is not None:
+        return {
+            "ok": False,
+            "detail": f"quorum {small.quorum_id} had {len(small.members)} of min {floor} replicas",
+        }
+    return {"ok": True, "detail": f"{len(quorums)} quorums, each of at least {floor} replicas"}
+
+
 def _median_commit_interval(log: RunLog) -> float:
     gaps: list[float] = []
     for replica in log.replicas:
@@ -617,8 +635,9 @@ def _median_commit_interval(log: RunLog) -> float:
 
 
 def _survivor_stall(log: RunLog, inject: InjectEvent, until: float, median: float) -> float | None:
-    """Largest commit gap of any other replica that overlaps [inject, until], beyond the usual
-    interval. Replicas themselves failed within that gap are not survivors."""
+    """Largest commit gap of any other replica that overlaps [inject, until] (the failure until
+    its victim commits again), beyond the usual interval. A replica that failed itself within
+    a gap is no survivor there: that gap is its own outage."""
     failures = [e for e in log.supervisor if isinstance(e, InjectEvent | ExitEvent)]
     worst: float | None = None
     for replica in log.replicas:
@@ -675,7 +694,9 @@ def _failure(log: RunLog, inject: InjectEvent, median: float, t0: float) -> dict
     ]
     back_from = restarts[0] if restarts else (evicted.t if evicted else inject.t)
     rejoin = next((c for c in log.commits(inject.replica) if c.t > back_from), None)
-    until = evicted.t if evicted else inject.t
+    # Until the victim is healthy again, not just evicted: a stall while it rejoins and catches
+    # up counts too.
+    until = rejoin.t if rejoin else evicted.t if evicted else inject.t
     stall = _survivor_stall(log, inject, until, median)
     return {
         "t": round(inject.t - t0, 3),
@@ -745,7 +766,11 @@ def analyse(log: RunLog) -> dict[str, Any]:
     return {
         "run": None if log.run is None else _run_dict(log.run),
         "replicas": {r: _replica_entry(log, r, finals[r], samples[r]) for r in ids},
-        "invariants": {"I1": _invariant_i1(log), "I2": _invariant_i2(log, ledger, samples)},
+        "invariants": {
+            "I1": _invariant_i1(log),
+            "I2": _invariant_i2(log, ledger, samples),
+            "I6": _invariant_i6(log),
+        },
         "inconsistencies": ledger.inconsistencies,
         "failures": [_failure(log, i, median, t0) for i in log.of_type(InjectEvent)],
         "effective_training_time": None
@@ -789,6 +814,7 @@ def _run_dict(run: RunEvent) -> dict[str, Any]:
         "seed": run.seed,
         "samples_per_step": run.samples_per_step,
         "total_replicas": run.total_replicas,
+        "min_replicas": run.min_replicas,
     }
 
 

@@ -56,7 +56,8 @@ class DemoConfig:
     join_timeout: timedelta = timedelta(seconds=2)
     """How long a quorum waits for a live replica that has not asked yet (the stall bound)."""
     min_replicas: int | None = None
-    """Smallest quorum; default a majority of `replicas`, so a minority never trains alone (I6)."""
+    """Smallest quorum; default half of `replicas`, rounded up, so a minority never trains alone
+    (I6). The injector never breaks a replica that would leave fewer healthy ones than this."""
     fsdp: bool = False
     """Shard each replica's model over its ranks with FSDP2 (HSDP) instead of replicating it."""
     overlap_backward: bool = False
@@ -99,6 +100,11 @@ class DemoConfig:
             raise ValueError("min_replicas must be in 1..replicas")
         if self.faults:
             parse_faults(self.faults)
+
+    @property
+    def quorum_floor(self) -> int:
+        """`min_replicas`, or half the replicas rounded up: half of the job is no minority."""
+        return self.min_replicas or (self.replicas + 1) // 2
 
 
 class _QuorumView:
@@ -180,7 +186,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         checkpoint_dir=config.checkpoint_dir or run_dir / "checkpoints",
         heartbeat_timeout=config.heartbeat_timeout,
         join_timeout=config.join_timeout,
-        min_replicas=config.min_replicas or config.replicas // 2 + 1,
+        min_replicas=config.quorum_floor,
         redis=config.redis,
         health=config.health,
     ) as stack:
@@ -224,6 +230,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             seed=config.seed,
             samples_per_step=config.micro_batch * config.ranks,
             total_replicas=config.replicas,
+            min_replicas=config.quorum_floor,
         )
         quorum = _QuorumView(events)
         watcher = threading.Thread(
@@ -326,20 +333,27 @@ class _Driver:
         while time.monotonic() < end:
             self.supervise()
             now = time.monotonic()
-            if now >= next_kill:
-                if now < last_kill:
-                    self._inject(rng)
+            # A failure that is due but not allowed yet is tried again at the next tick.
+            if now >= next_kill and (now >= last_kill or self._inject(rng)):
                 next_kill = now + (period or float("inf"))
             time.sleep(0.05)
 
-    def _inject(self, rng: random.Random) -> None:
+    def _inject(self, rng: random.Random) -> bool:
+        """Breaks something; False when nothing may be broken now."""
         if self.config.kill_mode == "quorum":
             self.supervisor.events.write("inject", replica=None, mode="quorum", rank=None)
             self.stack.restart_quorum()
-        else:
-            # Only replicas in the current quorum: one that has not joined yet would never be
-            # evicted (nobody knows it), and a hang of it would go unnoticed.
-            self.supervisor.inject(self.config.kill_mode, rng, eligible=set(self.quorum.healthy))
+            return True
+        # Only replicas in the current quorum that are up: one that has not joined yet would
+        # never be evicted (nobody knows it), and a hang of it would go unnoticed. And never
+        # below the quorum floor: the job would then stop by design (I6), which measures the
+        # policy, not the recovery. Failures still overlap whenever the floor allows it.
+        up = {r.replica_id for r in self.supervisor.replicas if r.running and not r.hung} & set(
+            self.quorum.healthy
+        )
+        if len(up) - 1 < self.config.quorum_floor:
+            return False
+        return self.supervisor.inject(self.config.kill_mode, rng, eligible=up) is not None
 
     def settle(self, run_dir: Path) -> None:
         """Waits until every replica is healthy, then has all of them stop at one agreed step."""

@@ -184,7 +184,8 @@ class CoreState:
     Mutable on purpose (the service mutates it on the event loop, never concurrently); `decide`
     and `form` only read it. Invariants: `waiting` is a subset of `registered` with matching
     incarnations; `not_waiting` = registered - waiting; `expected` = members of `previous` that
-    are still registered with the same incarnation; `expected_waiting` = |expected & waiting|."""
+    are still registered with the same incarnation; `expected_waiting` = |expected & waiting|;
+    `newcomers` = registered incarnations that have not asked yet (minus restored members)."""
 
     __slots__ = (
         "expected",
@@ -193,6 +194,7 @@ class CoreState:
         "last_quorum_id",
         "last_seen",
         "last_step",
+        "newcomers",
         "not_waiting",
         "previous",
         "registered",
@@ -208,6 +210,7 @@ class CoreState:
         self.last_step: dict[str, int] = {}
         self.waiting: dict[str, Ask] = {}
         self.not_waiting: set[str] = set()
+        self.newcomers: set[str] = set()
         self.previous: QuorumRecord | None = last
         self.expected: set[str] = set()
         self.expected_waiting = 0
@@ -226,6 +229,8 @@ class CoreState:
         self.last_seen[reg.replica_id] = now
         if self.previous is not None and (reg.replica_id, reg.incarnation) in self.previous.members:
             self.expected.add(reg.replica_id)  # restored from a store after a restart
+        else:
+            self.newcomers.add(reg.replica_id)
         return old
 
     def remove(self, replica_id: str) -> Registration | None:
@@ -235,6 +240,7 @@ class CoreState:
             return None
         self.drop_ask(replica_id)
         self.not_waiting.discard(replica_id)
+        self.newcomers.discard(replica_id)
         self.last_seen.pop(replica_id, None)
         self.last_step.pop(replica_id, None)
         self.expected.discard(replica_id)
@@ -272,6 +278,7 @@ class CoreState:
         rid = ask.replica_id
         if rid not in self.waiting:
             self.not_waiting.discard(rid)
+            self.newcomers.discard(rid)
             if rid in self.expected:
                 self.expected_waiting += 1
         self.waiting[rid] = ask
@@ -311,6 +318,15 @@ class CoreState:
         }
         self.expected_waiting = 0
 
+    def counts(self, replica_id: str) -> bool:
+        """Whether a round waits for this registered replica and counts it among the live ones.
+        Once a quorum exists, a new incarnation that has not asked yet does not count: it is
+        restarting (importing, loading, restoring), trains nothing, and joins the round it
+        asks in. Waiting for it would stall the survivors of every failure that overlaps its
+        recovery, and counting it could deny them a majority they have. Before the first
+        quorum every replica is new, and the job waits for its replicas to arrive."""
+        return self.previous is None or replica_id not in self.newcomers
+
     def is_live(self, replica_id: str, now: float, timeout: float) -> bool:
         """Waiting in the round, or heard from within `timeout` seconds."""
         if replica_id in self.waiting:
@@ -330,7 +346,8 @@ def decide(now: float, state: CoreState, config: QuorumConfig) -> tuple[Decision
     registered is waiting (fast path) -> form now with everyone waiting, newcomers included. Every
     live replica is waiting -> form. The join timeout (counted from the round's first ask) has
     passed -> form with whoever waits. Otherwise wait for the stragglers until the join timeout
-    or until one of them expires."""
+    or until one of them expires. A restarting newcomer that has not asked yet is neither waited
+    for nor counted as live (`CoreState.counts`)."""
     asked = len(state.waiting)
     if asked == 0 or state.round_started is None:
         return Decision(form=False), "no replica is waiting"
@@ -340,12 +357,14 @@ def decide(now: float, state: CoreState, config: QuorumConfig) -> tuple[Decision
     if not fast and now < join_deadline:
         # Common case while a round fills: a live replica has not asked yet. O(1) in practice.
         for rid in state.not_waiting:
-            if now - state.last_seen[rid] < hb:
+            if now - state.last_seen[rid] < hb and state.counts(rid):
                 return Decision(form=False, wake_at=join_deadline), (
                     f"{asked} asked; waiting for live replicas that have not (e.g. {rid})"
                 )
     stragglers = [
-        state.last_seen[r] + hb for r in state.not_waiting if now - state.last_seen[r] < hb
+        state.last_seen[r] + hb
+        for r in state.not_waiting
+        if now - state.last_seen[r] < hb and state.counts(r)
     ]
     live = asked + len(stragglers)
     next_expiry = min(stragglers) if stragglers else None

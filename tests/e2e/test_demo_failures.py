@@ -65,8 +65,8 @@ def test_kills_leave_identical_replicas_and_exactly_once_data(
     """I1 + I2 after repeated SIGKILLs of single ranks (2 ranks per replica), and I4: the
     survivors keep committing while a replica is down, stalling at most the join timeout."""
     # Kills further apart than a restart takes here (about 12 s: mostly importing torch), so
-    # that they never overlap: two replicas down at once leave a minority, which must not train
-    # (I6), and that stall is not what this test bounds.
+    # that they never overlap (the injector would defer one that left a minority, which must
+    # not train: I6); overlapping failures have their own test.
     report = demo(ranks=2, duration=timedelta(seconds=55), kill_every=timedelta(seconds=20))
     _assert_i1_i2(report)
     _assert_final_positions_recorded(report, tmp_path / "run")
@@ -80,6 +80,34 @@ def test_kills_leave_identical_replicas_and_exactly_once_data(
         assert failure["survivor_stall_s"] <= JOIN_TIMEOUT_S + 1.0, failure
     # Survivors kept committing while the victim was down: some steps had fewer contributors.
     assert report["summary"]["useful_replica_steps"] < report["summary"]["possible_replica_steps"]
+
+
+def test_overlapping_failures_stall_the_survivors_no_longer_than_a_lone_one(
+    demo: DemoRunner,
+) -> None:
+    """Kills closer together than a replica takes to heal (about 10 s here), among 4 replicas:
+    a replica dies while others are still restarting, so two are down at once. The survivors
+    never wait for a restarting replica (its new incarnation has not asked yet), so a typical
+    stall is a step, far from the join timeout (I4); the quorum never shrinks below
+    min_replicas (I6, half of 4) and training stays identical and exactly-once (I1, I2)."""
+    report = demo(replicas=4, duration=timedelta(seconds=40), kill_every=timedelta(seconds=4))
+    _assert_i1_i2(report)
+    assert report["invariants"]["I6"]["ok"], report["invariants"]["I6"]
+    assert report["run"]["min_replicas"] == 2
+    failures = report["failures"]
+    assert len(failures) >= 3, failures
+    down = [(f["t"], f["t"] + f["time_to_healthy_s"]) for f in failures]
+    overlapping = sum(1 for (a0, a1), (b0, _) in itertools.combinations(sorted(down), 2) if b0 < a1)
+    assert overlapping >= 2, down
+    for failure in failures:
+        assert failure["detection_s"] is not None, failure
+        assert failure["detection_s"] < 1.0, failure
+        assert failure["survivor_stall_s"] is not None, failure
+    # Waiting for a restarting replica cost every overlapping failure the join timeout (2 s);
+    # now the typical one costs a step. The median, not the max: a survivor caught rebuilding
+    # its ring for a quorum the others already left still waits once (a known defect).
+    stalls = sorted(f["survivor_stall_s"] for f in failures)
+    assert stalls[len(stalls) // 2] < JOIN_TIMEOUT_S / 4, failures
 
 
 def test_peer_dying_mid_exchange_retries_without_recompute(

@@ -216,11 +216,12 @@ def test_standby_takes_over_when_the_leader_is_killed(
         assert client.status().leader_epoch > epoch_before
         other = client.join("r1", RANK)
         with ThreadPoolExecutor(2) as pool:
-            asks = [
-                pool.submit(client.quorum, rid, inc, 2, timeout=timedelta(seconds=20))
-                for rid, inc in (("r0", incarnation), ("r1", other))
-            ]
-            third = [ask.result() for ask in asks]
+            # A newcomer that has not asked yet holds no round up, so r1 asks first and r0
+            # joins it in the round r1 waits in.
+            newcomer = pool.submit(client.quorum, "r1", other, 2, timeout=timedelta(seconds=20))
+            _poll(lambda: any(m.waiting for m in client.status().members if m.replica_id == "r1"))
+            member = pool.submit(client.quorum, "r0", incarnation, 2, timeout=timedelta(seconds=20))
+            third = [member.result(), newcomer.result()]
         assert third[0].quorum_id == third[1].quorum_id > second.quorum_id
         assert [m.replica_id for m in third[0].members] == ["r0", "r1"]
     c = spawn()  # the restarted instance stands by

@@ -198,10 +198,18 @@ async def test_endpoints_travel_only_when_the_quorum_id_changes(
     async with AsyncQuorumClient(quorum_server.address, token) as client:
         inc_b = await client.join("b", [RANK])
         for step in (2, 3):  # step 2: new epoch, endpoints sent; step 3: same epoch, cached
+            # b asks first: a newcomer that has not asked yet holds no round up.
+            b = asyncio.ensure_future(client.quorum("b", inc_b, step, timeout=LONG))
+            deadline = time.monotonic() + 10
+            while not any(
+                m.waiting for m in (await client.status()).members if m.replica_id == "b"
+            ):
+                assert time.monotonic() < deadline, "b's ask never reached the round"
+                await asyncio.sleep(0.01)
             a = stub.Quorum(
                 pb.QuorumRequest(replica_id="a", incarnation=inc, step=step), metadata=auth
             )
-            _, quorum = await asyncio.gather(a, client.quorum("b", inc_b, step, timeout=LONG))
+            _, quorum = await asyncio.gather(a, b)
             assert quorum.member("b").ranks == (RANK,)
             assert quorum.member("a").ranks[0].ftar == "127.0.0.1:1"
         assert client._endpoints.known_quorum_id == quorum.quorum_id

@@ -174,6 +174,35 @@ def test_a_replica_arriving_after_formation_waits_for_the_next_round() -> None:
     assert members(form_now(state, 1.2)) == ["a", "b", "c"]
 
 
+def test_restarting_newcomers_neither_stall_nor_outvote_the_survivors() -> None:
+    """Overlapping failures: c and d restarted (new incarnations joined, still loading, not
+    asked) when the survivors ask. They train nothing, so the survivors form at once: the
+    newcomers are neither waited for nor counted against the survivors' majority (I6 counts
+    the replicas that take part), and they join the round they ask in."""
+    state = steady(["a", "b", "c", "d"])
+    register(state, "c", 1.0, inc=2)
+    register(state, "d", 1.2, inc=2)
+    for t in (1.3, 1.5):
+        state.touch("c", t)
+        state.touch("d", t)
+    ask(state, "a", 1.5, step=1)
+    ask(state, "b", 1.5, step=1)
+    decision, reason = decide(1.5, state, CONFIG)
+    assert decision.form, reason
+    formation = form_now(state, 1.5)
+    assert members(formation) == ["a", "b"]
+    ask(state, "c", 1.6, step=0)  # c is ready: it takes part from the next round on
+    ask(state, "a", 1.7, step=2)
+    ask(state, "b", 1.7, step=2)
+    decision, reason = decide(1.7, state, CONFIG)
+    assert decision.form, reason
+    assert members(form_now(state, 1.7)) == ["a", "b", "c"]
+    # From then on c counts: a round without it waits for it (it is live and took part).
+    ask(state, "a", 1.8, step=3)
+    ask(state, "b", 1.8, step=3)
+    assert not decide(1.8, state, CONFIG)[0].form
+
+
 def test_a_minority_of_live_replicas_never_forms() -> None:
     state = CoreState()
     for rid in "abcde":
