@@ -348,12 +348,10 @@ class _Driver:
         # never be evicted (nobody knows it), and a hang of it would go unnoticed. And never
         # below the quorum floor: the job would then stop by design (I6), which measures the
         # policy, not the recovery. Failures still overlap whenever the floor allows it.
-        up = {r.replica_id for r in self.supervisor.replicas if r.running and not r.hung} & set(
-            self.quorum.healthy
-        )
-        if len(up) - 1 < self.config.quorum_floor:
+        healthy = set(self.quorum.healthy)
+        if len(self.supervisor.breakable(healthy)) - 1 < self.config.quorum_floor:
             return False
-        return self.supervisor.inject(self.config.kill_mode, rng, eligible=up) is not None
+        return self.supervisor.inject(self.config.kill_mode, rng, eligible=healthy) is not None
 
     def settle(self, run_dir: Path) -> None:
         """Waits until every replica is healthy, then has all of them stop at one agreed step."""

@@ -199,16 +199,20 @@ class Supervisor:
             if replica.restart_at is not None and now >= replica.restart_at and not self.stopping:
                 self.start(replica)
 
+    def breakable(self, eligible: set[str] | None = None) -> list[Replica]:
+        """Running replicas not hung already (among `eligible` ids, if given)."""
+        return [
+            r
+            for r in self.replicas
+            if r.running and not r.hung and (eligible is None or r.replica_id in eligible)
+        ]
+
     def inject(
         self, mode: str, rng: random.Random, *, eligible: set[str] | None = None
     ) -> str | None:
         """Breaks one running replica (among `eligible` ids, if given) on purpose; returns its
         id, or None if no replica qualified."""
-        candidates = [
-            r
-            for r in self.replicas
-            if r.running and not r.hung and (eligible is None or r.replica_id in eligible)
-        ]
+        candidates = self.breakable(eligible)
         if not candidates:
             return None
         replica = rng.choice(candidates)

@@ -19,6 +19,7 @@ from fthsdp.services.health.client_types import (
     MAX_EVIDENCE_BYTES,
     MAX_NODE_RANKS,
     MAX_OP_CHARS,
+    MAX_PROCESS_CHARS,
     MAX_TEXT_CHARS,
     InvalidReportError,
     check_count,
@@ -136,7 +137,7 @@ def _heartbeat(msg: pb.HeartbeatRecord, host: str, shift: float) -> Heartbeat:
         host=host,
         step=check_step(msg.step, minimum=-1),
         at=at + shift,
-        process=check_text(msg.process, "heartbeat.process", MAX_OP_CHARS),
+        process=check_text(msg.process, "heartbeat.process", MAX_PROCESS_CHARS),
     )
 
 
@@ -237,7 +238,7 @@ def _node(msg: pb.NodeState) -> NodeState:
             rank=_rank(r.rank),
             step=check_step(r.step, minimum=-1),
             silent_s=check_duration(r.silent_s, "node.ranks.silent_s"),
-            process=check_text(r.process, "node.ranks.process", MAX_OP_CHARS),
+            process=check_text(r.process, "node.ranks.process", MAX_PROCESS_CHARS),
         )
         for r in msg.ranks
     )

@@ -11,7 +11,8 @@ always be reported to it."""
 MAX_NAME_CHARS = 256
 """host, source, group names."""
 MAX_OP_CHARS = 64
-"""collective operations and process identifiers."""
+MAX_PROCESS_CHARS = 64
+"""A heartbeat's process identifier."""
 MAX_TEXT_CHARS = 1024
 """summaries and reasons."""
 MAX_EVIDENCE_BYTES = 16384

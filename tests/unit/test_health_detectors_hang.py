@@ -94,15 +94,21 @@ def _beat(replica: str, rank: int, at: float, process: str) -> Heartbeat:
     )
 
 
-def test_a_restarted_rank_is_not_the_culprit_of_what_its_old_process_left_open() -> None:
-    """A rank killed inside a ring collective and restarted faster than the heartbeat timeout:
-    its new process beats, so the collective its old process never left blocks nobody."""
+def _a0_stuck_in_ring(process: str) -> HealthCore:
+    """a/0 (process `process`) entered ring #1 and never left it; b/0 finished it."""
     core = HealthCore(CFG)
     _healthy_round(core, 0, 0.0)
-    core.heartbeat(_beat("a", 0, 0.5, "old"))
+    core.heartbeat(_beat("a", 0, 0.5, process))
     core.collectives(
         [_rec("a", 0, "ftar:1:0", 1, 1.0, None), _rec("b", 0, "ftar:1:0", 1, 1.0, 1.5)]
     )
+    return core
+
+
+def test_a_restarted_rank_is_not_the_culprit_of_what_its_old_process_left_open() -> None:
+    """A rank killed inside a ring collective and restarted faster than the heartbeat timeout:
+    its new process beats, so the collective its old process never left blocks nobody."""
+    core = _a0_stuck_in_ring("old")
     core.heartbeat(_beat("a", 0, 2.0, "new"))
     # The old process's entry, late from an agent's backlog, is stale too.
     core.collectives([_rec("a", 0, "ftar:1:0", 1, 0.4, None)])
@@ -113,12 +119,7 @@ def test_a_restarted_rank_is_not_the_culprit_of_what_its_old_process_left_open()
 def test_the_same_process_beating_on_still_hangs_the_collective() -> None:
     """Beats without a new process change nothing: a rank alive but stuck is a hang (the
     detector the restart rule must not blind)."""
-    core = HealthCore(CFG)
-    _healthy_round(core, 0, 0.0)
-    core.heartbeat(_beat("a", 0, 0.5, "p1"))
-    core.collectives(
-        [_rec("a", 0, "ftar:1:0", 1, 1.0, None), _rec("b", 0, "ftar:1:0", 1, 1.0, 1.5)]
-    )
+    core = _a0_stuck_in_ring("p1")
     core.heartbeat(_beat("a", 0, 6.9, "p1"))
     found = core.evaluate(7.0)
     assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [("a", 0, "never_left")]
