@@ -13,6 +13,7 @@ from pathlib import Path
 from fthsdp.deploy import status_cmd
 from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
 from fthsdp.deploy.up import add_up_parser, run_up_command
+from fthsdp.services.health.config import FAILURE_ACTIONS
 
 
 def _positive_seconds(text: str) -> timedelta:
@@ -45,8 +46,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--no-kills", action="store_true", help="inject no failures")
     p.add_argument(
         "--kill-mode", choices=KILL_MODES, default="process",
-        help="process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a "
-        "whole replica; quorum: restart the quorum service, or SIGKILL its leader with --redis "
+        help="process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one "
+        "rank; quorum: restart the quorum service, or SIGKILL its leader with --redis "
         "(default process)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seeds failures and model init (default 0)")
@@ -112,8 +113,19 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )  # fmt: skip
     p.add_argument(
         "--faults", default="",
-        help="planned rank deaths replica:rank:step:point[,...], point in "
-        "exchange|fetch|serve|commit (each fires once)",
+        help="planned rank faults replica:rank:step:point[,...], point in "
+        "exchange|fetch|serve|commit (the rank dies) or hang (it stops making progress); "
+        "each fires once",
+    )  # fmt: skip
+    p.add_argument(
+        "--on-failure", choices=FAILURE_ACTIONS, default="kill",
+        help="kill: a dead or hung rank's replica is torn down (its agent kills its processes, "
+        "its ranks exit) and restarted (default); report: it is only evicted",
+    )  # fmt: skip
+    p.add_argument(
+        "--hang-timeout", type=_positive_seconds, default=timedelta(seconds=3),
+        help="seconds a collective may stay open before the health service calls it a hang "
+        "(default 3)",
     )  # fmt: skip
 
 
@@ -142,6 +154,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         loader_workers=args.loader_workers,
         redis=args.redis,
         health=not args.no_health,
+        on_failure=args.on_failure,
+        hang_timeout=args.hang_timeout,
     )
     report = run_demo(config)
     if args.report:

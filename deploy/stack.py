@@ -116,6 +116,8 @@ class LocalStack:
         shm_root: Path = Path("/dev/shm"),
         redis: bool = False,
         health: bool = True,
+        failure_action: str = "kill",
+        hang_timeout: timedelta | None = None,
     ) -> None:
         self._run_dir = run_dir
         self._token_file = token_file
@@ -134,6 +136,9 @@ class LocalStack:
         self._quorum_processes: list[ManagedProcess] = []
         self._health_processes: list[ManagedProcess] = []
         self._health = health
+        self._health_flags = ["--on-failure", failure_action]
+        if hang_timeout is not None:
+            self._health_flags += ["--hang-timeout-ms", str(_ms(hang_timeout))]
         self._hosts = hosts
         shm = shm_root / f"fthsdp-{run_dir.resolve().name}-{int(time.time())}"
         self._shm = shm
@@ -275,6 +280,7 @@ class LocalStack:
             "--http-port", str(http),
             "--quorum", self.quorum_address,
             "--token-file", str(self._token_file),
+            *self._health_flags,
             *extra,
         ]  # fmt: skip
         return ServiceSpec(

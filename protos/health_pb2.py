@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66thsdp/protos/health.proto\x12\tfthsdp.v1\"+\n\x07RankRef\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"^\n\x0fHeartbeatRecord\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\n\n\x02\x61t\x18\x03 \x01(\x01\x12\x0f\n\x07process\x18\x04 \x01(\t\"\xb8\x01\n\nStepRecord\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x12\n\nduration_s\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x16\n\x0esum_seq_len_sq\x18\x06 \x01(\x03\x12\x11\n\tcommitted\x18\x07 \x01(\x08\x12\x17\n\x0f\x65xchange_wait_s\x18\x08 \x01(\x01\"\x94\x01\n\x10\x43ollectiveRecord\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\n\n\x02op\x18\x04 \x01(\t\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\x12\x15\n\x08\x65nded_at\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_ended_at\"E\n\x11\x46ingerprintRecord\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"<\n\x08RankLeft\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xa7\x01\n\x0eIncidentRecord\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\x04rank\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04host\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0b\x64\x65tected_at\x18\x05 \x01(\x01\x12\x0f\n\x07summary\x18\x06 \x01(\t\x12\x15\n\revidence_json\x18\x07 \x01(\tB\x07\n\x05_rankB\x07\n\x05_host\"]\n\x08NodeRank\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08silent_s\x18\x03 \x01(\x01\x12\x0f\n\x07process\x18\x04 \x01(\t\"N\n\tNodeState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x05ranks\x18\x02 \x03(\x0b\x32\x13.fthsdp.v1.NodeRank\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\x04\"\xfd\x02\n\rReportRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0f\n\x07sent_at\x18\x03 \x01(\x01\x12.\n\nheartbeats\x18\x04 \x03(\x0b\x32\x1a.fthsdp.v1.HeartbeatRecord\x12$\n\x05steps\x18\x05 \x03(\x0b\x32\x15.fthsdp.v1.StepRecord\x12\x30\n\x0b\x63ollectives\x18\x06 \x03(\x0b\x32\x1b.fthsdp.v1.CollectiveRecord\x12\x32\n\x0c\x66ingerprints\x18\x07 \x03(\x0b\x32\x1c.fthsdp.v1.FingerprintRecord\x12!\n\x04left\x18\x08 \x03(\x0b\x32\x13.fthsdp.v1.RankLeft\x12,\n\tincidents\x18\t \x03(\x0b\x32\x19.fthsdp.v1.IncidentRecord\x12\'\n\x04node\x18\n \x01(\x0b\x32\x14.fthsdp.v1.NodeStateH\x00\x88\x01\x01\x42\x07\n\x05_node\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r2N\n\rHealthService\x12=\n\x06Report\x12\x18.fthsdp.v1.ReportRequest\x1a\x19.fthsdp.v1.ReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66thsdp/protos/health.proto\x12\tfthsdp.v1\"+\n\x07RankRef\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"~\n\x0fHeartbeatRecord\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\n\n\x02\x61t\x18\x03 \x01(\x01\x12\x0f\n\x07process\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x11\n\tpid_start\x18\x06 \x01(\x04\"\xb8\x01\n\nStepRecord\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x12\n\nduration_s\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x16\n\x0esum_seq_len_sq\x18\x06 \x01(\x03\x12\x11\n\tcommitted\x18\x07 \x01(\x08\x12\x17\n\x0f\x65xchange_wait_s\x18\x08 \x01(\x01\"\x94\x01\n\x10\x43ollectiveRecord\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\n\n\x02op\x18\x04 \x01(\t\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\x12\x15\n\x08\x65nded_at\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_ended_at\"E\n\x11\x46ingerprintRecord\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"<\n\x08RankLeft\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xa7\x01\n\x0eIncidentRecord\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\x04rank\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04host\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0b\x64\x65tected_at\x18\x05 \x01(\x01\x12\x0f\n\x07summary\x18\x06 \x01(\t\x12\x15\n\revidence_json\x18\x07 \x01(\tB\x07\n\x05_rankB\x07\n\x05_host\"]\n\x08NodeRank\x12 \n\x04rank\x18\x01 \x01(\x0b\x32\x12.fthsdp.v1.RankRef\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08silent_s\x18\x03 \x01(\x01\x12\x0f\n\x07process\x18\x04 \x01(\t\"N\n\tNodeState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x05ranks\x18\x02 \x03(\x0b\x32\x13.fthsdp.v1.NodeRank\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\x04\"\xfd\x02\n\rReportRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0f\n\x07sent_at\x18\x03 \x01(\x01\x12.\n\nheartbeats\x18\x04 \x03(\x0b\x32\x1a.fthsdp.v1.HeartbeatRecord\x12$\n\x05steps\x18\x05 \x03(\x0b\x32\x15.fthsdp.v1.StepRecord\x12\x30\n\x0b\x63ollectives\x18\x06 \x03(\x0b\x32\x1b.fthsdp.v1.CollectiveRecord\x12\x32\n\x0c\x66ingerprints\x18\x07 \x03(\x0b\x32\x1c.fthsdp.v1.FingerprintRecord\x12!\n\x04left\x18\x08 \x03(\x0b\x32\x13.fthsdp.v1.RankLeft\x12,\n\tincidents\x18\t \x03(\x0b\x32\x19.fthsdp.v1.IncidentRecord\x12\'\n\x04node\x18\n \x01(\x0b\x32\x14.fthsdp.v1.NodeStateH\x00\x88\x01\x01\x42\x07\n\x05_node\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r2N\n\rHealthService\x12=\n\x06Report\x12\x18.fthsdp.v1.ReportRequest\x1a\x19.fthsdp.v1.ReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKREF']._serialized_start=41
   _globals['_RANKREF']._serialized_end=84
   _globals['_HEARTBEATRECORD']._serialized_start=86
-  _globals['_HEARTBEATRECORD']._serialized_end=180
-  _globals['_STEPRECORD']._serialized_start=183
-  _globals['_STEPRECORD']._serialized_end=367
-  _globals['_COLLECTIVERECORD']._serialized_start=370
-  _globals['_COLLECTIVERECORD']._serialized_end=518
-  _globals['_FINGERPRINTRECORD']._serialized_start=520
-  _globals['_FINGERPRINTRECORD']._serialized_end=589
-  _globals['_RANKLEFT']._serialized_start=591
-  _globals['_RANKLEFT']._serialized_end=651
-  _globals['_INCIDENTRECORD']._serialized_start=654
-  _globals['_INCIDENTRECORD']._serialized_end=821
-  _globals['_NODERANK']._serialized_start=823
-  _globals['_NODERANK']._serialized_end=916
-  _globals['_NODESTATE']._serialized_start=918
-  _globals['_NODESTATE']._serialized_end=996
-  _globals['_REPORTREQUEST']._serialized_start=999
-  _globals['_REPORTREQUEST']._serialized_end=1380
-  _globals['_REPORTRESPONSE']._serialized_start=1382
-  _globals['_REPORTRESPONSE']._serialized_end=1416
-  _globals['_HEALTHSERVICE']._serialized_start=1418
-  _globals['_HEALTHSERVICE']._serialized_end=1496
+  _globals['_HEARTBEATRECORD']._serialized_end=212
+  _globals['_STEPRECORD']._serialized_start=215
+  _globals['_STEPRECORD']._serialized_end=399
+  _globals['_COLLECTIVERECORD']._serialized_start=402
+  _globals['_COLLECTIVERECORD']._serialized_end=550
+  _globals['_FINGERPRINTRECORD']._serialized_start=552
+  _globals['_FINGERPRINTRECORD']._serialized_end=621
+  _globals['_RANKLEFT']._serialized_start=623
+  _globals['_RANKLEFT']._serialized_end=683
+  _globals['_INCIDENTRECORD']._serialized_start=686
+  _globals['_INCIDENTRECORD']._serialized_end=853
+  _globals['_NODERANK']._serialized_start=855
+  _globals['_NODERANK']._serialized_end=948
+  _globals['_NODESTATE']._serialized_start=950
+  _globals['_NODESTATE']._serialized_end=1028
+  _globals['_REPORTREQUEST']._serialized_start=1031
+  _globals['_REPORTREQUEST']._serialized_end=1412
+  _globals['_REPORTRESPONSE']._serialized_start=1414
+  _globals['_REPORTRESPONSE']._serialized_end=1448
+  _globals['_HEALTHSERVICE']._serialized_start=1450
+  _globals['_HEALTHSERVICE']._serialized_end=1528
 # @@protoc_insertion_point(module_scope)

@@ -64,6 +64,8 @@ class HeartbeatRecord(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    PID_START_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The last step the rank committed (-1 before the first)."""
     at: _builtins.float
@@ -72,6 +74,13 @@ class HeartbeatRecord(_message.Message):
     """The rank's process: a value unique to each start of it (<= 64 chars; empty when unknown).
     A new value means the rank restarted, so nothing its previous process had entered (an open
     collective) is waiting on it any more.
+    """
+    pid: _builtins.int
+    """The rank's operating-system process id on its node agent's host (0 when unknown)."""
+    pid_start: _builtins.int
+    """That process's start time in clock ticks since boot (/proc/<pid>/stat field 22; 0 when
+    unknown). An agent tears down only a process whose pid and start time both still match, so
+    a reused pid is never killed.
     """
     @_builtins.property
     def rank(self) -> Global___RankRef:
@@ -84,10 +93,12 @@ class HeartbeatRecord(_message.Message):
         step: _builtins.int = ...,
         at: _builtins.float = ...,
         process: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        pid_start: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "process", b"process", "rank", b"rank", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "pid", b"pid", "pid_start", b"pid_start", "process", b"process", "rank", b"rank", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

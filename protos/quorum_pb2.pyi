@@ -374,6 +374,7 @@ class ReportFailureRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REPORTER_FIELD_NUMBER: _builtins.int
+    TEARDOWN_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The failed replica."""
     incarnation: _builtins.int
@@ -382,6 +383,10 @@ class ReportFailureRequest(_message.Message):
     """What failed (at most 1024 characters)."""
     reporter: _builtins.str
     """Who reports it (a replica id, "launcher", "health", ...; at most 128 characters)."""
+    teardown: _builtins.bool
+    """The replica must be torn down, not merely left out: one of its ranks is dead or hung, so its
+    ranks exit and the node agents kill its processes (the eviction event carries this).
+    """
     def __init__(
         self,
         *,
@@ -389,10 +394,11 @@ class ReportFailureRequest(_message.Message):
         incarnation: _builtins.int | None = ...,
         reason: _builtins.str = ...,
         reporter: _builtins.str = ...,
+        teardown: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation", "incarnation", b"incarnation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation", "incarnation", b"incarnation", "reason", b"reason", "replica_id", b"replica_id", "reporter", b"reporter"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation", "incarnation", b"incarnation", "reason", b"reason", "replica_id", b"replica_id", "reporter", b"reporter", "teardown", b"teardown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__incarnation: _TypeAlias = _typing.Literal["incarnation"]  # noqa: Y015
     _WhichOneofArgType__incarnation: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation"]  # noqa: Y015
@@ -665,6 +671,8 @@ class WatchResponse(_message.Message):
     QUORUM_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
+    TEARDOWN_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     kind: Global___EventKind.ValueType
     """What happened."""
     replica_id: _builtins.str
@@ -673,6 +681,10 @@ class WatchResponse(_message.Message):
     """The latest quorum id at the time of the event."""
     reason: _builtins.str
     """Why (eviction reason, formation reason, ...)."""
+    teardown: _builtins.bool
+    """EVICTED: the report asked for the replica to be torn down (see ReportFailureRequest)."""
+    incarnation: _builtins.int
+    """JOINED, LEFT, EVICTED: the incarnation concerned (0 for the other kinds)."""
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Registered replica ids after the event, sorted (for QUORUM: the quorum's members)."""
@@ -685,10 +697,12 @@ class WatchResponse(_message.Message):
         quorum_id: _builtins.int = ...,
         reason: _builtins.str = ...,
         members: _abc.Iterable[_builtins.str] | None = ...,
+        teardown: _builtins.bool = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "members", b"members", "quorum_id", b"quorum_id", "reason", b"reason", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "kind", b"kind", "members", b"members", "quorum_id", b"quorum_id", "reason", b"reason", "replica_id", b"replica_id", "teardown", b"teardown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

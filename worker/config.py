@@ -17,6 +17,10 @@ LR_POLICIES = ("none", "sqrt", "linear")
 LrPolicy = Literal["none", "sqrt", "linear"]
 
 
+EXIT_TORN_DOWN = 75
+"""Exit status of a rank whose replica was torn down (EX_TEMPFAIL: restart it)."""
+
+
 def lr_factor(policy: str, healthy: int, total: int) -> float:
     """What the learning rate is multiplied by for a step averaged over `healthy` of `total`
     replicas: 1 with all of them; on a shrink sqrt(healthy / total) (`sqrt`, the FT-HSDP paper's
@@ -103,6 +107,11 @@ class ManagerConfig:
     catch-ups, quorum wait) on this port (0: any free one); None: no metrics."""
     metrics_host: str = "127.0.0.1"
     """Interface the metrics endpoint binds."""
+    exit_on_teardown: bool = True
+    """When the quorum service evicts this replica for a teardown (the health service found one
+    of its ranks dead or hung), every rank aborts the replica's process group and exits with
+    `EXIT_TORN_DOWN`, so the process manager restarts the replica now instead of after a
+    collective timeout. False: the eviction is only logged (the script's own watchdog acts)."""
 
     def __post_init__(self) -> None:
         for name in ("job_id", "replica_id"):

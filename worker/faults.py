@@ -2,7 +2,8 @@
 
 `FTHSDP_FAULTS` lists faults as `replica:rank:step:point[:seconds]` separated by commas, for
 example `r1:0:12:exchange` (rank 0 of replica r1 dies as step 12's exchange starts) or
-`r1:0:*:slow_fetch:3` (its next catch-up fetch takes 3 s longer). `step` may be `*` (the first
+`r1:0:*:slow_fetch:3` (its next catch-up fetch takes 3 s longer) or `r1:1:20:hang` (rank 1 of r1
+stops making progress at step 20 while its threads beat on). `step` may be `*` (the first
 time the point is reached). Each fault fires once per job: a marker file in `FTHSDP_FAULTS_DIR`
 records it, so the restarted replica does not die again."""
 
@@ -10,15 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-POINTS = ("exchange", "fetch", "serve", "commit", "slow_fetch")
+POINTS = ("exchange", "fetch", "serve", "commit", "slow_fetch", "hang")
 """exchange: with the ring up, as the exchange starts (the peers are left mid-exchange);
 fetch: while catching up; serve: right after publishing a snapshot for a recovering peer;
 commit: after the vote, before the optimizer step; slow_fetch: the catch-up fetch is delayed by
-the fault's seconds (the rank lives)."""
+the fault's seconds (the rank lives); hang: as the exchange starts, before the rank enters the
+ring, its training thread blocks for good while its other threads (heartbeats, telemetry, the
+watch) go on, so its ring peers wait on it: a rank stuck in a kernel or an unrecorded collective,
+as a GPU or NCCL hang looks to the host."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +103,11 @@ class FaultPlan:
         """Dies with SIGKILL if a fault is planned here and has not fired yet in this job."""
         if self._due(point, step) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def hang(self, step: int) -> None:
+        """Blocks the calling thread for good if a `hang` fault is due at this step."""
+        if self._due("hang", step) is not None:
+            threading.Event().wait()
 
     def delay(self, point: str, step: int) -> None:
         """Sleeps for a planned delay at this point (once per job)."""

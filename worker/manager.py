@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,10 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.autograd import Variable
 
-from fthsdp.services.quorum.client import (
-    RankEndpoint,
-)
-from fthsdp.worker.config import ManagerConfig, lr_factor
+from fthsdp.services.quorum.client import MembershipEvent, RankEndpoint
+from fthsdp.worker.config import EXIT_TORN_DOWN, ManagerConfig, lr_factor
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.faults import FaultPlan
@@ -147,7 +146,12 @@ class Manager:
         self._plans = PlanChannel(config, group, self._link, self._executor)
         self._restore_durable()
         self._watch = RingWatch(
-            config, ring=self._ring, plan=lambda: self._plans.plan, stop=self._stop, rank=group.rank
+            config,
+            ring=self._ring,
+            plan=lambda: self._plans.plan,
+            stop=self._stop,
+            rank=group.rank,
+            on_teardown=self._torn_down if config.exit_on_teardown else None,
         )
         self._threads = [self._watch.thread]
         if self._link is not None:
@@ -158,6 +162,19 @@ class Manager:
             )
         for thread in self._threads:
             thread.start()
+
+    def _torn_down(self, event: MembershipEvent) -> None:
+        """The watch thread's answer to this replica's teardown: whatever the training thread
+        is blocked in (a collective with a dead or hung rank) ends with the process."""
+        log.error(
+            "replica torn down: exiting with %d for a restart",
+            EXIT_TORN_DOWN,
+            extra=self._context(reason=event.reason),
+        )
+        self.group.abort()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_TORN_DOWN)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -352,6 +369,7 @@ class Manager:
         error: BaseException | None
         # Numbered by the step the healthy members train, the same on every member of the ring
         # (a recovering member's own step is behind it).
+        self._faults.hang(self.step)
         self._telemetry.exchange_entered(plan.quorum_id, plan.max_step)
         if overlap is not None:
             error = self._exchange.wait(timeout)

@@ -9,6 +9,7 @@ without CUDA it is gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -179,6 +180,13 @@ class ReplicaGroup:
         slices = list(flat.chunk(self.world_size))
         mine = slices[self.rank].clone()
         dist.all_gather(slices, mine, group=self.group)
+
+    def abort(self) -> None:
+        """Aborts the group's pending collectives where the backend can (NCCL ends them with
+        an error); a blocked gloo call ends only with the process. Never raises."""
+        if self.group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                self.group.abort()
 
     def close(self) -> None:
         """Leaves the process group, and drops this object's handle to it, so the backend and

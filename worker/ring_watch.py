@@ -1,5 +1,7 @@
 """Every rank's watch on the quorum service: a ring member's eviction aborts the exchange at once,
-instead of after the exchange timeout (pushed failure notices, DESIGN.md)."""
+instead of after the exchange timeout (pushed failure notices, DESIGN.md); its own replica's
+eviction with a teardown (one of its ranks is dead or hung) calls `on_teardown`, so this rank
+does not sit in a collective with the dead one until a timeout."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from fthsdp.services.quorum.client import QuorumClient, WatchStream
+from fthsdp.services.quorum.client import MembershipEvent, QuorumClient, WatchStream
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.ftar import FtarRing
 from fthsdp.worker.plan import StepPlan
@@ -29,12 +31,16 @@ class RingWatch:
         plan: Callable[[], StepPlan | None],
         stop: threading.Event,
         rank: int,
+        on_teardown: Callable[[MembershipEvent], None] | None = None,
     ) -> None:
         self._config = config
         self._ring = ring
         self._plan = plan
         self._stop = stop
         self._rank = rank
+        self._on_teardown = on_teardown
+        self.live = threading.Event()
+        """Set once a stream has delivered its first event (the service's snapshot)."""
         self._stream: WatchStream | None = None
         self._client = QuorumClient(config.quorum_address, config.token)
         self.thread = threading.Thread(target=self._run, name="fthsdp-watch", daemon=True)
@@ -55,21 +61,35 @@ class RingWatch:
                 for event in self._stream:
                     if self._stop.is_set():
                         break
-                    plan = self._plan()
-                    if (
-                        event.kind in ("evicted", "left")
-                        and plan is not None
-                        and event.replica_id in plan.ring_replicas
-                        and event.replica_id != self._config.replica_id
-                    ):
-                        log.info(
-                            "ring member evicted; aborting the exchange",
-                            extra=self._context(evicted=event.replica_id),
-                        )
-                        self._ring.abort()
+                    self.live.set()
+                    self._handle(event)
             except Exception as exc:
                 log.debug("watch stream ended: %s", exc, extra=self._context())
             self._stop.wait(_RETRY_S)
+
+    def _handle(self, event: MembershipEvent) -> None:
+        own = event.replica_id == self._config.replica_id
+        if event.kind == "evicted" and own and event.teardown:
+            log.error(
+                "this replica was evicted for a teardown: %s",
+                event.reason,
+                extra=self._context(incarnation=event.incarnation),
+            )
+            if self._on_teardown is not None:
+                self._on_teardown(event)
+            return
+        plan = self._plan()
+        if (
+            event.kind in ("evicted", "left")
+            and plan is not None
+            and event.replica_id in plan.ring_replicas
+            and not own
+        ):
+            log.info(
+                "ring member evicted; aborting the exchange",
+                extra=self._context(evicted=event.replica_id),
+            )
+            self._ring.abort()
 
     def _context(self, **fields: object) -> dict[str, object]:
         return {"replica_id": self._config.replica_id, "rank": self._rank, **fields}

@@ -22,6 +22,7 @@ from fthsdp.deploy.demo.eventlog import EventLog
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
 from fthsdp.deploy.stack import LocalStack
 from fthsdp.services.health.client_http import HealthClient
+from fthsdp.services.health.config import FAILURE_ACTIONS
 from fthsdp.services.quorum.client import QuorumClient
 from fthsdp.worker.faults import parse_faults
 
@@ -42,7 +43,8 @@ class DemoConfig:
     kill_every: timedelta | None = timedelta(seconds=25)
     """Period of injected failures; None injects none."""
     kill_mode: str = "process"
-    """process: SIGKILL one rank; replica: SIGKILL every rank of a replica; hang: SIGSTOP it."""
+    """process: SIGKILL one rank; replica: SIGKILL every rank of a replica; hang: SIGSTOP one
+    rank."""
     seed: int = 0
     """Seeds the failure schedule's choices and the model's initialisation."""
     run_dir: Path = Path("runs/demo")
@@ -82,6 +84,12 @@ class DemoConfig:
     health: bool = True
     """Run the health service (central + one node agent per host) and send it the ranks'
     telemetry; its incidents go into the report."""
+    on_failure: str = "kill"
+    """What the health service does with a dead or hung rank's replica besides evicting it:
+    kill (tear it down: its agent kills its processes, its ranks exit) or report."""
+    hang_timeout: timedelta = timedelta(seconds=3)
+    """A collective open this long is a hang (the health service's `--hang-timeout-ms`); the
+    demo's steps take tens of milliseconds, so 3 s is far above a healthy one."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
@@ -100,6 +108,10 @@ class DemoConfig:
             raise ValueError("min_replicas must be in 1..replicas")
         if self.faults:
             parse_faults(self.faults)
+        if self.on_failure not in FAILURE_ACTIONS:
+            raise ValueError(f"on_failure must be one of {FAILURE_ACTIONS}")
+        if self.hang_timeout <= timedelta(0):
+            raise ValueError("hang_timeout must be positive")
 
     @property
     def quorum_floor(self) -> int:
@@ -189,6 +201,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         min_replicas=config.quorum_floor,
         redis=config.redis,
         health=config.health,
+        failure_action=config.on_failure,
+        hang_timeout=config.hang_timeout,
     ) as stack:
         if stack.health_url:
             # The token stays in its file: printing it would put it in terminal scrollback.

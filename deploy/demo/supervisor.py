@@ -27,8 +27,8 @@ RESTART_POLICIES = ("replica", "job")
 durable checkpoint on any failure (the synchronous-training baseline)."""
 
 KILL_MODES = ("process", "replica", "hang", "quorum")
-"""process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP a whole replica;
-quorum: restart the (in-memory) quorum service."""
+"""process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one rank (a hung
+GPU or NCCL call as the host sees it); quorum: restart the (in-memory) quorum service."""
 
 
 @dataclass(slots=True)
@@ -224,10 +224,10 @@ class Supervisor:
             for proc in replica.procs:
                 proc.send_signal(signal.SIGKILL)
         elif mode == "hang":
-            # The whole replica stops making progress (a hung host): its heartbeats stop, the
-            # quorum service evicts it, and the supervisor replaces it when it sees the eviction.
-            for proc in replica.procs:
-                proc.send_signal(signal.SIGSTOP)
+            # One rank stops making progress: its heartbeats stop, the health agent reports it,
+            # and the eviction tears the replica down (its agent kills it, its other ranks exit).
+            rank = rng.randrange(len(replica.procs))
+            replica.procs[rank].send_signal(signal.SIGSTOP)
             replica.hung = True
         else:
             raise ValueError(f"unknown kill mode {mode!r}; choose from {KILL_MODES}")
@@ -235,10 +235,13 @@ class Supervisor:
         return replica.replica_id
 
     def evicted(self, replica_id: str) -> None:
-        """The quorum service evicted a replica. A hung one (the injector stopped it) is
-        replaced; a live one that was merely slow rejoins by itself as a new incarnation."""
+        """The quorum service evicted a replica. Without a health service, nothing else tears a
+        hung one (the injector stopped it) down, so it is replaced here; with one, its node
+        agent does that. A live one that was merely slow rejoins by itself."""
         replica = self.by_id(replica_id)
-        if replica is not None and replica.running and replica.hung and not self.stopping:
+        if self.command.health_agents or replica is None or self.stopping:
+            return
+        if replica.running and replica.hung:
             self.fail(replica, "hung: evicted by the quorum service")
 
     def stop_all(self, grace: float) -> None:

@@ -27,6 +27,7 @@ from fthsdp.services.common.cli import (
 from fthsdp.services.common.signals import wait_for_shutdown_signal
 from fthsdp.services.common.tokens import Token, load_token
 from fthsdp.services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
+from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.runner import HealthNode
 from fthsdp.services.health.server import SERVICE_NAME
 
@@ -54,13 +55,23 @@ _FLAGS: tuple[Flag, ...] = (
     ("max-batch-records", "max_batch_records", int, "agent: records per forward (2000)"),
     ("max-buffered-records", "max_buffered_records", int, "agent: buffer bound (100000)"),
     ("shutdown-grace-ms", "shutdown_grace", int, "drain time on stop, ms (default 2000)"),
+    (
+        "on-failure",
+        "failure_action",
+        str,
+        "kill (default): a dead or hung rank's replica is torn down, its processes killed; "
+        "report: evicted only, its processes left alone",
+    ),
+    ("kill-grace-ms", "kill_grace", int, "agent: SIGTERM to SIGKILL on a teardown, ms (1000)"),
 )
+_HANG_TIMEOUT_FLAG = "hang-timeout-ms"
 _MILLISECONDS = {
     "heartbeat_timeout",
     "check_interval",
     "evaluate_interval",
     "forward_interval",
     "shutdown_grace",
+    "kill_grace",
 }
 
 
@@ -77,7 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"central or agent [env {env_name(ENV_PREFIX, 'mode')}]",
     )
     add_flags(parser, ENV_PREFIX, _FLAGS)
+    parser.add_argument(
+        f"--{_HANG_TIMEOUT_FLAG}",
+        type=int,
+        default=None,
+        help="central: a collective open this long is a hang, ms (10000) "
+        f"[env {env_name(ENV_PREFIX, _HANG_TIMEOUT_FLAG)}]",
+    )
     return parser
+
+
+def resolve_detectors(args: argparse.Namespace, env: Mapping[str, str]) -> DetectorConfig:
+    """The central detectors' settings that have a flag; the rest are changed over HTTP."""
+    hang_ms = flag_or_env(args, env, ENV_PREFIX, _HANG_TIMEOUT_FLAG, int)
+    if hang_ms is None:
+        return DetectorConfig()
+    if hang_ms <= 0:
+        raise ValueError(f"{_HANG_TIMEOUT_FLAG} must be positive, got {hang_ms}")
+    return DetectorConfig(hang_timeout_s=hang_ms / 1000)
 
 
 def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> HealthConfig:
@@ -107,9 +135,15 @@ def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> HealthCo
     return HealthConfig(**values)
 
 
-async def serve(config: HealthConfig, token: Token, *, out: Any = None) -> None:
+async def serve(
+    config: HealthConfig,
+    token: Token,
+    *,
+    detectors: DetectorConfig | None = None,
+    out: Any = None,
+) -> None:
     """Runs until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
-    node = HealthNode(config, token)
+    node = HealthNode(config, token, detectors=detectors)
     await node.start()
     print(_banner(node), file=out or sys.stdout, flush=True)
     try:
@@ -133,12 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args, env)
     try:
         config = resolve_config(args, env)
+        detectors = resolve_detectors(args, env)
         token = load_token(path=args.token_file, env=dict(env))
     except (ValueError, OSError) as exc:
         print(f"fthsdp-health: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config, token))
+        asyncio.run(serve(config, token, detectors=detectors))
     except OSError as exc:
         print(f"fthsdp-health: {exc}", file=sys.stderr)
         return 1

@@ -6,6 +6,11 @@ the quorum service at once (so the survivors' next quorum leaves its replica out
 quorum within about heartbeat_timeout + check_interval + one RPC), and the incident goes to the
 central service with the outcome of the report.
 
+With `failure_action` "kill" the report asks for a teardown, and the agent follows the quorum
+service's events: a replica evicted with a teardown (by this agent, another one, or the central
+service's hang verdict) has its processes on this host killed, by the pids its ranks registered
+(`teardown`), so its process manager restarts it now rather than after a collective timeout.
+
 Everything else (step, collective and fingerprint records, clean departures) is buffered and
 forwarded to the central service every `forward_interval` with the node's compact state (its
 ranks, their steps and silence), so the central load grows with nodes, not ranks. Losing the
@@ -38,6 +43,7 @@ from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.teardown import ProcessRef, kill
 from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
@@ -70,6 +76,8 @@ class NodeAgent:
         self._quorum = quorum
         self._clock = clock
         self._detector = FailStopDetector(config.heartbeat_timeout.total_seconds())
+        self._pids: dict[RankId, ProcessRef] = {}
+        """The process each local rank registered in its latest heartbeat."""
         self._records: deque[Any] = deque()
         self._incidents: deque[Incident] = deque(maxlen=_MAX_HELD_INCIDENTS)
         self._dropped = 0
@@ -91,8 +99,11 @@ class NodeAgent:
         """Takes one validated batch from a local rank."""
         for hb in batch.heartbeats:
             self._detector.beat(hb)
+            if hb.pid:
+                self._pids[hb.rank] = ProcessRef(hb.pid, hb.pid_start)
         for rank in batch.left:
             self._detector.leave(rank)
+            self._pids.pop(rank, None)
         self._buffer(batch.steps)
         self._buffer(batch.collectives)
         self._buffer(batch.fingerprints)
@@ -123,6 +134,8 @@ class NodeAgent:
         if self._tasks:
             return
         self._tasks.append(asyncio.create_task(self._check_loop(), name="agent-check"))
+        if self._kills and self._quorum is not None:
+            self._tasks.append(asyncio.create_task(self._teardown_loop(), name="agent-teardown"))
         if self._config.central is not None:
             self._channel = grpc.aio.insecure_channel(
                 self._config.central,
@@ -175,13 +188,27 @@ class NodeAgent:
         self._metrics.ranks.set(len(self._detector.tracked()))
         return found
 
+    @property
+    def _kills(self) -> bool:
+        return self._config.failure_action == "kill"
+
     async def _report(self, incident: Incident) -> None:
-        evidence: dict[str, Any] = {"found_by": f"agent:{self._config.node}", "policy": "evict"}
+        evidence: dict[str, Any] = {
+            "found_by": f"agent:{self._config.node}",
+            "policy": "evict",
+            "action": self._config.failure_action,
+        }
         if self._quorum is not None:
             reason = f"fail_stop: {incident.summary}"
             outcome = await self._quorum.report_failure(
-                incident.replica_id, reason, reporter=f"fthsdp-health-agent:{self._config.node}"
+                incident.replica_id,
+                reason,
+                reporter=f"fthsdp-health-agent:{self._config.node}",
+                teardown=self._kills,
             )
+            if outcome == "evicted" and self._kills:
+                # Not only through the event stream, which may be reconnecting right now.
+                await self.teardown(incident.replica_id)
             last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
             latency = self._clock() - last_beat
             if outcome == "evicted":
@@ -190,6 +217,39 @@ class NodeAgent:
         else:
             evidence["quorum"] = "not_configured"
         self._incidents.append(restamp(incident, evidence=evidence))
+
+    # ---- teardown ---------------------------------------------------------------------------
+
+    async def _teardown_loop(self) -> None:
+        assert self._quorum is not None
+        async for replica_id in self._quorum.teardowns():
+            try:
+                await self.teardown(replica_id)
+            except Exception:
+                log.exception("teardown of %s failed", replica_id)
+
+    async def teardown(self, replica_id: str) -> list[int]:
+        """Kills the local processes of `replica_id` (SIGTERM, then SIGKILL after the grace)
+        and stops tracking its ranks, so their silence is no new incident here (the central
+        service still sees them go, and shows the replica down); returns the pids signalled. A
+        no-op for a replica with no rank here (or one torn down already)."""
+        ranks = [r for r in self._detector.tracked() if r.replica_id == replica_id]
+        refs = [self._pids.pop(r) for r in ranks if r in self._pids]
+        for rank in ranks:
+            self._detector.leave(rank)
+        if not ranks:
+            return []
+        pids = await kill(refs, self._config.kill_grace.total_seconds())
+        self._metrics.teardown_kills.inc(len(pids))
+        self._metrics.ranks.set(len(self._detector.tracked()))
+        log.warning(
+            "replica %s torn down: killed pids %s of its %d local ranks",
+            replica_id,
+            pids,
+            len(ranks),
+            extra={"replica_id": replica_id, "pids": pids},
+        )
+        return pids
 
     # ---- forwarding -------------------------------------------------------------------------
 

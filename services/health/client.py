@@ -46,6 +46,7 @@ from fthsdp.services.health.client_types import (
     check_text,
     check_time,
 )
+from fthsdp.services.health.teardown import this_process
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class TelemetryClient:
         # Names this start of the rank in every heartbeat: a restarted rank beats with a new
         # value, which tells the service its old process is inside nothing any more.
         self._process = secrets.token_hex(8)
+        # What a node agent kills if this rank's replica is torn down (its pid is checked
+        # against the start time first, so a reused pid is safe).
+        self._pid = this_process()
         self._heartbeat_s = heartbeat_interval.total_seconds()
         self._flush_s = flush_interval.total_seconds()
         self._max_batch = max_batch
@@ -256,7 +260,13 @@ class TelemetryClient:
             if not self._encode(request, ("collective", *entry, None)):
                 self._count_drop(1)
         if beat:
-            hb = request.heartbeats.add(step=self._step, at=time.time(), process=self._process)
+            hb = request.heartbeats.add(
+                step=self._step,
+                at=time.time(),
+                process=self._process,
+                pid=self._pid.pid,
+                pid_start=self._pid.start,
+            )
             hb.rank.CopyFrom(self._rank)
         if final and self._leave_reason is not None and self._queue.empty():
             request.left.add(rank=self._rank, reason=self._leave_reason)

@@ -30,6 +30,7 @@ from fthsdp.services.health.client_types import (
     check_text,
     check_time,
 )
+from fthsdp.services.health.teardown import MAX_PID
 from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
@@ -138,7 +139,15 @@ def _heartbeat(msg: pb.HeartbeatRecord, host: str, shift: float) -> Heartbeat:
         step=check_step(msg.step, minimum=-1),
         at=at + shift,
         process=check_text(msg.process, "heartbeat.process", MAX_PROCESS_CHARS),
+        pid=_pid(msg.pid),
+        pid_start=check_count(msg.pid_start, "heartbeat.pid_start"),
     )
+
+
+def _pid(value: int) -> int:
+    if not 0 <= value < MAX_PID:
+        raise InvalidReportError(f"heartbeat.pid must be in 0..{MAX_PID - 1}")
+    return value
 
 
 def _step(msg: pb.StepRecord, shift: float) -> StepRecord:
@@ -335,7 +344,14 @@ def batch_to_pb(batch: ReportBatch, sent_at: float) -> pb.ReportRequest:
         host=batch.host,
         sent_at=sent_at,
         heartbeats=[
-            pb.HeartbeatRecord(rank=_rank_pb(h.rank), step=h.step, at=h.at, process=h.process)
+            pb.HeartbeatRecord(
+                rank=_rank_pb(h.rank),
+                step=h.step,
+                at=h.at,
+                process=h.process,
+                pid=h.pid,
+                pid_start=h.pid_start,
+            )
             for h in batch.heartbeats
         ],
         steps=[step_to_pb(s) for s in batch.steps],

@@ -9,6 +9,8 @@ from typing import Literal
 from fthsdp.services.health.client_types import MAX_BATCH_RECORDS, MAX_NAME_CHARS
 
 MAX_PORT = 65535
+FailureAction = Literal["kill", "report"]
+FAILURE_ACTIONS: tuple[FailureAction, ...] = ("kill", "report")
 Mode = Literal["central", "agent"]
 MODES: tuple[Mode, ...] = ("central", "agent")
 DEFAULT_PORTS: dict[Mode, tuple[int, int]] = {"central": (7460, 7461), "agent": (7462, 7463)}
@@ -70,10 +72,20 @@ class HealthConfig:
     """Step / collective / fingerprint records kept per kind."""
     shutdown_grace: timedelta = timedelta(seconds=2)
     """On stop, how long in-flight requests may finish before they are cancelled."""
+    failure_action: FailureAction = "kill"
+    """What a dead or hung rank costs its replica besides the eviction. `kill`: the report asks
+    the quorum service for a teardown, so the replica's ranks exit and every node agent kills
+    the replica's processes on its host (SIGTERM, SIGKILL after `kill_grace`), by the pids its
+    ranks registered; the process manager then restarts it at once. `report`: evicted only, its
+    processes are left alone for an operator. Agents and the central service should agree."""
+    kill_grace: timedelta = timedelta(seconds=1)
+    """Agent: how long a torn-down process may take to exit on SIGTERM before SIGKILL."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.failure_action not in FAILURE_ACTIONS:
+            raise ValueError(f"failure_action must be one of {', '.join(FAILURE_ACTIONS)}")
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= MAX_PORT:
@@ -106,8 +118,8 @@ class HealthConfig:
                 raise ValueError(f"{name} must be positive")
         if self.check_interval >= self.heartbeat_timeout:
             raise ValueError("check_interval must be shorter than heartbeat_timeout")
-        if self.shutdown_grace < timedelta(0):
-            raise ValueError("shutdown_grace must not be negative")
+        if self.shutdown_grace < timedelta(0) or self.kill_grace < timedelta(0):
+            raise ValueError("shutdown_grace and kill_grace must not be negative")
 
     def _check_bounds(self) -> None:
         if not 1 <= self.max_batch_records <= MAX_BATCH_RECORDS:

@@ -76,6 +76,7 @@ class HealthCore:
         "_failslow",
         "_failstop",
         "_hang_reported",
+        "_hung_collectives",
         "_replicas",
         "_restarted_at",
         "_sdc",
@@ -90,6 +91,10 @@ class HealthCore:
         self._failslow = FailSlowDetector(config)
         self._sdc = SdcDetector(config)
         self._hang_reported: set[tuple[RankId, str, int]] = set()
+        self._hung_collectives: set[tuple[str, int]] = set()
+        """Open collectives (group, seq) whose culprit a past evaluation named: what they show
+        later (members torn down, the others giving up at different moments) is the aftermath
+        of that verdict, not a new hang."""
         self._replicas: dict[str, _Replica] = {}
         self._restarted_at: dict[RankId, float] = {}
         """Restarted rank -> its old process's last beat (records older than that are stale)."""
@@ -194,12 +199,16 @@ class HealthCore:
         current = find_hangs(self._collectives, now)
         keys = {_hang_key(i) for i in current}
         self._hang_reported &= keys  # a resolved hang may be reported again if it recurs
+        still_open = self._collectives.open
+        named = {c for c in self._hung_collectives if c[1] in still_open.get(c[0], ())}
+        self._hung_collectives = set(named)
         fresh = []
         for incident in current:
             key = _hang_key(incident)
-            if key in self._hang_reported:
+            if key in self._hang_reported or key[1:] in named:
                 continue
             self._hang_reported.add(key)
+            self._hung_collectives.add(key[1:])
             if incident.rank is not None and self._failstop.silent(
                 RankId(replica_id=incident.replica_id, rank=incident.rank)
             ):

@@ -37,6 +37,11 @@ class HealthMetrics:
             ["kind"],
             registry=r,
         )
+        self.teardown_kills = Counter(
+            "fthsdp_health_teardown_kills_total",
+            "Processes of torn-down replicas this agent signalled.",
+            registry=r,
+        )
         self.quorum_reports = Counter(
             "fthsdp_health_quorum_reports_total",
             "Failure reports sent to the quorum service, by outcome "

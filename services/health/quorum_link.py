@@ -8,9 +8,10 @@ one of its ranks falls silent in the same check, and one report evicts them all.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import Literal
 
@@ -52,15 +53,20 @@ class QuorumLink:
         self._metrics = metrics
         self._dedupe = dedupe.total_seconds()
         self._recent: dict[str, float] = {}
+        self.watching = False
+        """Whether `teardowns` has an event stream up (its snapshot arrived)."""
 
-    async def report_failure(self, replica_id: str, reason: str, *, reporter: str) -> Outcome:
-        """Evicts `replica_id`; never raises (the outcome says what happened)."""
+    async def report_failure(
+        self, replica_id: str, reason: str, *, reporter: str, teardown: bool = False
+    ) -> Outcome:
+        """Evicts `replica_id` (asking for its teardown: `teardown`); never raises (the outcome
+        says what happened)."""
         now = time.monotonic()
         self._recent = {r: t for r, t in self._recent.items() if now - t < self._dedupe}
         if replica_id in self._recent:
             return "deduplicated"
         self._recent[replica_id] = now
-        outcome = await self._report(replica_id, reason[:1024], reporter)
+        outcome = await self._report(replica_id, reason[:1024], reporter, teardown)
         if outcome == "failed":
             self._recent.pop(replica_id, None)  # a later detection may try again
         if self._metrics is not None:
@@ -73,10 +79,12 @@ class QuorumLink:
         )
         return outcome
 
-    async def _report(self, replica_id: str, reason: str, reporter: str) -> Outcome:
+    async def _report(self, replica_id: str, reason: str, reporter: str, teardown: bool) -> Outcome:
         for address, client in zip(self._addresses, self._clients, strict=True):
             try:
-                evicted = await client.report_failure(replica_id, reason, reporter=reporter)
+                evicted = await client.report_failure(
+                    replica_id, reason, reporter=reporter, teardown=teardown
+                )
             except UnknownReplicaError:
                 return "unknown_replica"
             except (QuorumUnavailableError, TimeoutError):
@@ -97,6 +105,23 @@ class QuorumLink:
             except (QuorumError, TimeoutError) as exc:
                 last = exc
         raise UpstreamError(f"the quorum service did not answer: {last}")
+
+    async def teardowns(self, retry_s: float = 0.2) -> AsyncIterator[str]:
+        """Ids of replicas evicted with a teardown, from the quorum service's event stream;
+        follows the addresses in turn while one is down, and never ends by itself."""
+        turn = 0
+        while True:
+            client = self._clients[turn % len(self._clients)]
+            try:
+                async for event in client.watch():
+                    self.watching = True
+                    if event.kind == "evicted" and event.teardown and event.replica_id:
+                        yield event.replica_id
+            except (QuorumError, TimeoutError) as exc:
+                log.debug("quorum event stream ended: %s", exc)
+                turn += 1
+            self.watching = False
+            await asyncio.sleep(retry_s)
 
     async def close(self) -> None:
         """Closes every channel."""

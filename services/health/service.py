@@ -3,7 +3,9 @@ on a timer, keeps incidents in the store, and applies the policies.
 
 Policies (what an incident makes the service do besides recording it):
 - fail-stop found here (a whole node went silent, agent included: host loss), hang, SDC: evict the
-  replica through the quorum service, so the survivors form a new quorum without it;
+  replica through the quorum service, so the survivors form a new quorum without it, and with
+  `HealthConfig.failure_action` "kill" ask for its teardown (its ranks exit, the agents kill its
+  processes);
 - fail-slow and slow-rank: evict or only report, per `DetectorConfig.fail_slow_policy`.
 A fail-stop that a node agent already found and reported arrives in the agent's batch; the core
 sees the same rank fall silent a little later, and that second verdict is recorded in the state
@@ -203,10 +205,7 @@ class CentralEngine:
         if not fresh:
             return []
         detectors = self.core.config
-        fresh = [
-            restamp(i, evidence={"policy": policy_for(i, detectors), "found_by": "central"})
-            for i in fresh
-        ]
+        fresh = [restamp(i, evidence=self._verdict(i, detectors)) for i in fresh]
         for incident in fresh:
             self._metrics.incidents.labels(kind=incident.kind.value).inc()
             log.warning(
@@ -220,6 +219,21 @@ class CentralEngine:
                 self._evict(incident)
         return fresh
 
+    def _verdict(self, incident: Incident, detectors: DetectorConfig) -> dict[str, str]:
+        """What the service does about `incident`, for its evidence: evict or report, and for
+        a dead, hung or corrupting rank whether its replica is torn down (`failure_action`)."""
+        verdict = {"policy": policy_for(incident, detectors), "found_by": "central"}
+        if self._tears_down(incident):
+            verdict["action"] = "kill"
+        elif incident.kind in _ALWAYS_EVICT:
+            verdict["action"] = "report"
+        return verdict
+
+    def _tears_down(self, incident: Incident) -> bool:
+        # A dead, hung or corrupting rank takes its replica down with it; a slow one is only
+        # left out (it may recover, and it holds a valid state).
+        return self._config.failure_action == "kill" and incident.kind in _ALWAYS_EVICT
+
     def _already_reported(self, incident: Incident) -> bool:
         if incident.kind != IncidentKind.FAIL_STOP or incident.rank is None:
             return False
@@ -230,10 +244,14 @@ class CentralEngine:
             return
         quorum = self._quorum
         reason = f"{incident.kind.value}: {incident.summary}"
+        teardown = self._tears_down(incident)
 
         async def act() -> None:
             await quorum.report_failure(
-                incident.replica_id, reason, reporter=f"fthsdp-health:{self._config.node}"
+                incident.replica_id,
+                reason,
+                reporter=f"fthsdp-health:{self._config.node}",
+                teardown=teardown,
             )
 
         task = asyncio.create_task(act())

@@ -34,6 +34,11 @@ class Heartbeat:
     process: str = ""
     """Unique to each start of the rank's process ("" when unknown): a new value means the rank
     restarted, and nothing its previous process had entered is waiting on it any more."""
+    pid: int = 0
+    """The rank's pid on the agent's host (0: unknown)."""
+    pid_start: int = 0
+    """That process's start time in clock ticks since boot (0: unknown); with `pid` it names
+    the process a teardown may kill (`teardown.ProcessRef`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

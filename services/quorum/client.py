@@ -178,9 +178,11 @@ def _quorum_request(
 
 
 def _report_request(
-    replica_id: str, reason: str, reporter: str, incarnation: int | None
+    replica_id: str, reason: str, reporter: str, incarnation: int | None, teardown: bool
 ) -> pb.ReportFailureRequest:
-    request = pb.ReportFailureRequest(replica_id=replica_id, reason=reason, reporter=reporter)
+    request = pb.ReportFailureRequest(
+        replica_id=replica_id, reason=reason, reporter=reporter, teardown=teardown
+    )
     if incarnation is not None:
         request.incarnation = incarnation
     return request
@@ -302,10 +304,17 @@ class QuorumClient:
         )
 
     def report_failure(
-        self, replica_id: str, reason: str, *, reporter: str, incarnation: int | None = None
+        self,
+        replica_id: str,
+        reason: str,
+        *,
+        reporter: str,
+        incarnation: int | None = None,
+        teardown: bool = False,
     ) -> bool:
-        """Evicts a replica at once; True if this report evicted it (False: already gone)."""
-        request = _report_request(replica_id, reason, reporter, incarnation)
+        """Evicts a replica at once; True if this report evicted it (False: already gone).
+        `teardown`: its ranks are to exit and its processes be killed (a rank is dead or hung)."""
+        request = _report_request(replica_id, reason, reporter, incarnation, teardown)
         return bool(self._call("ReportFailure", request).evicted)
 
     def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:
@@ -507,10 +516,17 @@ class AsyncQuorumClient:
         )
 
     async def report_failure(
-        self, replica_id: str, reason: str, *, reporter: str, incarnation: int | None = None
+        self,
+        replica_id: str,
+        reason: str,
+        *,
+        reporter: str,
+        incarnation: int | None = None,
+        teardown: bool = False,
     ) -> bool:
-        """Evicts a replica at once; True if this report evicted it (False: already gone)."""
-        request = _report_request(replica_id, reason, reporter, incarnation)
+        """Evicts a replica at once; True if this report evicted it (False: already gone).
+        `teardown`: its ranks are to exit and its processes be killed (a rank is dead or hung)."""
+        request = _report_request(replica_id, reason, reporter, incarnation, teardown)
         return bool((await self._call("ReportFailure", request)).evicted)
 
     async def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:

@@ -240,6 +240,8 @@ def event_to_pb(event: MembershipEvent) -> pb.WatchResponse:
         quorum_id=event.quorum_id,
         reason=event.reason,
         members=event.members,
+        teardown=event.teardown,
+        incarnation=event.incarnation or 0,
     )
 
 
@@ -254,4 +256,6 @@ def event_from_pb(msg: pb.WatchResponse) -> MembershipEvent:
         quorum_id=msg.quorum_id,
         reason=msg.reason,
         members=tuple(msg.members),
+        teardown=msg.teardown,
+        incarnation=msg.incarnation or None,
     )

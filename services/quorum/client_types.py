@@ -107,6 +107,11 @@ class MembershipEvent:
     """Why it happened."""
     members: tuple[str, ...] = ()
     """Registered replica ids after the event (for `quorum`: the quorum's members), sorted."""
+    teardown: bool = False
+    """`evicted`: the report asked for the replica to be torn down (a rank is dead or hung): its
+    ranks exit, and node agents kill its processes."""
+    incarnation: int | None = None
+    """`joined`, `left`, `evicted`: the incarnation concerned."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -217,7 +217,7 @@ class Coordinator:
             "replica joined",
             extra={"replica_id": replica_id, "incarnation": incarnation, "world_size": world_size},
         )
-        self._emit("joined", replica_id, f"incarnation {incarnation}")
+        self._emit("joined", replica_id, f"incarnation {incarnation}", incarnation=incarnation)
         self._evaluate(now)
         return incarnation, self._state.last_quorum_id
 
@@ -261,9 +261,17 @@ class Coordinator:
         return self._state.last_quorum_id
 
     def report_failure(
-        self, replica_id: str, incarnation: int | None, reason: str, reporter: str
+        self,
+        replica_id: str,
+        incarnation: int | None,
+        reason: str,
+        reporter: str,
+        *,
+        teardown: bool = False,
     ) -> bool:
-        """Evicts a replica at once; False when it was already gone or the report is stale."""
+        """Evicts a replica at once; False when it was already gone or the report is stale.
+        `teardown` travels on the eviction event: the replica's ranks exit and node agents
+        kill its processes."""
         core.check_id(replica_id)
         core.check_id(reporter, "reporter")
         core.check_reason(reason)
@@ -273,7 +281,9 @@ class Coordinator:
         reg = self._state.registered.get(replica_id)
         if reg is None or (incarnation is not None and incarnation != reg.incarnation):
             return False
-        self._evict(reg, kind="evicted", cause="report", reason=f"{reporter}: {reason}")
+        self._evict(
+            reg, kind="evicted", cause="report", reason=f"{reporter}: {reason}", teardown=teardown
+        )
         return True
 
     def leave(self, replica_id: str, incarnation: int, reason: str) -> None:
@@ -455,15 +465,29 @@ class Coordinator:
 
     # ---- membership ---------------------------------------------------------------------------
 
-    def _evict(self, reg: Registration, *, kind: EventKind, cause: str, reason: str) -> None:
+    def _evict(
+        self,
+        reg: Registration,
+        *,
+        kind: EventKind,
+        cause: str,
+        reason: str,
+        teardown: bool = False,
+    ) -> None:
         self._state.remove(reg.replica_id)
-        self._after_removal(reg, kind=kind, cause=cause, reason=reason)
+        self._after_removal(reg, kind=kind, cause=cause, reason=reason, teardown=teardown)
         self._persist(self._store.remove_member, reg.replica_id, reg.incarnation)
         self._metrics.members.set(len(self._state.registered))
         self._evaluate(self._clock())
 
     def _after_removal(
-        self, reg: Registration, *, kind: EventKind, cause: str, reason: str
+        self,
+        reg: Registration,
+        *,
+        kind: EventKind,
+        cause: str,
+        reason: str,
+        teardown: bool = False,
     ) -> None:
         """Fails the removed incarnation's pending call and tells the watchers."""
         rid = reg.replica_id
@@ -486,9 +510,10 @@ class Coordinator:
                 "incarnation": reg.incarnation,
                 "cause": cause,
                 "reason": reason,
+                "teardown": teardown,
             },
         )
-        self._emit(kind, rid, reason)
+        self._emit(kind, rid, reason, incarnation=reg.incarnation, teardown=teardown)
 
     def _check_world_size(self, replica_id: str, world_size: int) -> None:
         other = next(
@@ -507,7 +532,14 @@ class Coordinator:
     # ---- events and background writes ---------------------------------------------------------
 
     def _event(
-        self, kind: EventKind, replica_id: str | None, reason: str, quorum: Any = None
+        self,
+        kind: EventKind,
+        replica_id: str | None,
+        reason: str,
+        quorum: Any = None,
+        *,
+        incarnation: int | None = None,
+        teardown: bool = False,
     ) -> MembershipEvent:
         if quorum is not None:
             members = tuple(m.replica_id for m in quorum.members)
@@ -519,14 +551,25 @@ class Coordinator:
             quorum_id=self._state.last_quorum_id,
             reason=reason,
             members=members,
+            incarnation=incarnation,
+            teardown=teardown,
         )
 
     def _emit(
-        self, kind: EventKind, replica_id: str | None, reason: str, quorum: Any = None
+        self,
+        kind: EventKind,
+        replica_id: str | None,
+        reason: str,
+        quorum: Any = None,
+        *,
+        incarnation: int | None = None,
+        teardown: bool = False,
     ) -> None:
         if not self._subscribers:
             return
-        event = self._event(kind, replica_id, reason, quorum)
+        event = self._event(
+            kind, replica_id, reason, quorum, incarnation=incarnation, teardown=teardown
+        )
         for sub in list(self._subscribers):
             sub.offer(event)
             if sub.overflowed:

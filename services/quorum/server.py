@@ -179,7 +179,11 @@ class _Servicer:
     async def _report_failure(self, request: pb.ReportFailureRequest) -> Message:
         incarnation = request.incarnation if request.HasField("incarnation") else None
         evicted = self._leader()[0].report_failure(
-            request.replica_id, incarnation, request.reason, request.reporter
+            request.replica_id,
+            incarnation,
+            request.reason,
+            request.reporter,
+            teardown=request.teardown,
         )
         return pb.ReportFailureResponse(evicted=evicted)
 

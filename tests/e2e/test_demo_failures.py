@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fthsdp.deploy.demo.report import RunLog
+from fthsdp.deploy.demo.report import EndEvent, ExitEvent, InjectEvent, RestartEvent, RunLog
+from fthsdp.worker.config import EXIT_TORN_DOWN
 from fthsdp.worker.data import ShardSpec
 from tests.e2e.conftest import DemoRunner
 
@@ -150,6 +152,86 @@ def test_hung_replica_is_evicted_by_heartbeat_and_replaced(demo: DemoRunner) -> 
     for failure in report["failures"]:
         assert failure["detection_s"] is not None
         assert failure["detection_s"] <= 1.0 + 1.0, failure  # heartbeat timeout + polling slack
+
+
+def _teardown_exit(run_dir: Path, replica: str, after: float) -> ExitEvent:
+    """The first rank exit of `replica` after `after`: the one that tore it down."""
+    exits = [
+        e for e in RunLog.load(run_dir).of_type(ExitEvent) if e.replica == replica and e.t > after
+    ]
+    assert exits, f"{replica} never went down"
+    return exits[0]
+
+
+def test_a_stopped_rank_tears_its_replica_down_at_once(demo: DemoRunner, tmp_path: Path) -> None:
+    """One rank SIGSTOPped (a hung GPU as its host sees it): its agent names it, the eviction
+    asks for a teardown, the replica's other rank exits (75) or is killed instead of sitting in
+    a gloo collective with it for a minute, the replica restarts and catches up. I1, I2."""
+    report = demo(
+        ranks=2, duration=timedelta(seconds=25), kill_mode="hang", kill_every=timedelta(seconds=12)
+    )
+    _assert_i1_i2(report)
+    run_dir = tmp_path / "run"
+    (failure,) = report["failures"]
+    inject = RunLog.load(run_dir).of_type(InjectEvent)[0]
+    down = _teardown_exit(run_dir, failure["replica"], inject.t)
+    assert down.code in (EXIT_TORN_DOWN, -signal.SIGTERM, -signal.SIGKILL), down
+    # Before teardowns the other rank left by itself after its 60 s gloo timeout (about 64 s),
+    # and the replica was back after about 82 s; the bounds leave room for a loaded machine.
+    assert down.t - inject.t < 10.0, down.t - inject.t
+    assert failure["time_to_healthy_s"] is not None and failure["time_to_healthy_s"] < 40.0
+    kills = [i for i in report["incidents"] if i["replica_id"] == failure["replica"]]
+    assert kills and all(i["evidence"].get("action") == "kill" for i in kills), kills
+
+
+def test_a_rank_hung_before_the_exchange_is_named_and_its_replica_torn_down(
+    demo: DemoRunner, tmp_path: Path
+) -> None:
+    """Rank 1 of r1 stops making progress at step 40 while its threads beat on: no heartbeat is
+    missed, the hang detector names it (its ring peers wait on it past the hang timeout), the
+    eviction tears r1 down, and r1 comes back and catches up. I1, I2."""
+    report = demo(
+        ranks=2,
+        faults="r1:1:40:hang",
+        duration=timedelta(seconds=25),
+        hang_timeout=timedelta(seconds=3),
+    )
+    _assert_i1_i2(report)
+    run_dir = tmp_path / "run"
+    fired = (run_dir / "faults" / "fault-r1-1-40-hang").stat().st_mtime
+    hangs = [i for i in report["incidents"] if i["kind"] == "hang"]
+    assert hangs and {(i["replica_id"], i["rank"]) for i in hangs} == {("r1", 1)}, hangs
+    down = _teardown_exit(run_dir, "r1", fired)
+    assert down.code in (EXIT_TORN_DOWN, -signal.SIGTERM, -signal.SIGKILL), down
+    assert down.t - fired < 15.0, down.t - fired  # the hang timeout (3 s) plus slack
+    log = RunLog.load(run_dir)
+    restarts = [e.t for e in log.of_type(RestartEvent) if e.replica == "r1" and e.t > fired]
+    assert restarts, "r1 was never restarted"
+    assert any(c.t > restarts[0] for c in log.commits("r1")), "r1 never committed again"
+
+
+def test_under_the_report_policy_a_hung_rank_is_evicted_and_left_alone(
+    demo: DemoRunner, tmp_path: Path
+) -> None:
+    """`on_failure="report"`: the hung rank is named and its replica evicted, and nothing tears
+    it down: r1's processes live until the demo's own shutdown, while the survivors train on
+    (I1 between them: they end at one step with one fingerprint)."""
+    report = demo(
+        ranks=2,
+        faults="r1:1:40:hang",
+        duration=timedelta(seconds=20),
+        hang_timeout=timedelta(seconds=3),
+        on_failure="report",
+        settle_timeout=timedelta(seconds=5),
+    )
+    hangs = [i for i in report["incidents"] if i["kind"] == "hang"]
+    assert hangs and all(i["evidence"].get("action") == "report" for i in hangs), hangs
+    run_dir = tmp_path / "run"
+    fired = (run_dir / "faults" / "fault-r1-1-40-hang").stat().st_mtime
+    log = RunLog.load(run_dir)
+    ended_early = [e for e in log.of_type(ExitEvent) if e.replica == "r1" and e.t > fired]
+    end = max(e.t for e in log.of_type(EndEvent))
+    assert all(e.t >= end for e in ended_early), "something tore r1 down"
 
 
 def test_quorum_service_restart_is_survived(demo: DemoRunner) -> None:

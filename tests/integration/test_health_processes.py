@@ -28,10 +28,12 @@ import pytest
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.runner import HealthNode
 from fthsdp.services.health.telemetry import Incident, IncidentKind
-from tests.integration.conftest import eventually
+from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
+from tests.integration.conftest import QuorumServerFactory, eventually
 from tests.integration.health_support import health_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
+_RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
 Spawn = Callable[..., subprocess.Popen[bytes]]
 
 
@@ -143,3 +145,110 @@ async def test_slowed_steps_and_a_flipped_fingerprint_name_their_replicas(
             for i in await central.engine.store.incidents(kind=IncidentKind.SDC, limit=1000)
         }
         assert corrupt == {"r3"}
+
+
+# ---- teardown: a dead or hung rank's replica is killed on its host (issue: a hung rank) -----
+
+
+async def _teardown_stack(
+    make: object, quorum: str, token: str, **agent: object
+) -> tuple[HealthNode, HealthNode, AsyncQuorumClient]:
+    """Central + agent reporting to the quorum service at `quorum`, where r0 and r1 joined."""
+    central = await make(http_port=None, quorum=(quorum,))  # type: ignore[operator]
+    node = await make(  # type: ignore[operator]
+        mode="agent",
+        central=central.grpc_address,
+        quorum=(quorum,),
+        http_port=None,
+        heartbeat_timeout=timedelta(milliseconds=400),
+        **agent,
+    )
+    client = AsyncQuorumClient(quorum, token)
+    for replica in ("r0", "r1"):
+        await client.join(replica, [_RANK, _RANK])
+    return central, node, client
+
+
+async def _exit_codes(processes: list[subprocess.Popen[bytes]]) -> list[int]:
+    """The exit codes once every one of `processes` has ended (fails after 20 s)."""
+
+    async def ended() -> bool:
+        return all(p.poll() is not None for p in processes)
+
+    await eventually(ended, 20.0)
+    return [p.returncode for p in processes]
+
+
+async def test_a_stopped_rank_has_its_replicas_processes_killed_by_its_agent(
+    spawn: Spawn, token: str, make_quorum_server: QuorumServerFactory
+) -> None:
+    """The agent names the stopped rank, evicts its replica for a teardown and kills that
+    replica's processes on the host (the stopped one at once), and nothing else."""
+    quorum = await make_quorum_server(heartbeat_timeout=timedelta(seconds=30))
+    async with health_nodes(token) as make:
+        central, agent, client = await _teardown_stack(make, quorum.address, token)
+        try:
+            healthy = spawn(agent.grpc_address, "r0")
+            r1 = [spawn(agent.grpc_address, "r1", "--rank", str(rank)) for rank in (0, 1)]
+            await _all_running(agent, 3)
+
+            r1[1].send_signal(signal.SIGSTOP)
+            assert await _exit_codes(r1) == [-signal.SIGTERM, -signal.SIGKILL]
+            assert healthy.poll() is None
+            found = await _incident_naming(central, {IncidentKind.FAIL_STOP}, "r1")
+            assert found.rank == 1
+            assert (found.evidence["quorum"], found.evidence["action"]) == ("evicted", "kill")
+            assert agent.metrics.teardown_kills._value.get() == 2
+        finally:
+            await client.close()
+
+
+async def test_a_teardown_asked_by_anyone_else_reaches_the_agent_through_the_event_stream(
+    spawn: Spawn, token: str, make_quorum_server: QuorumServerFactory
+) -> None:
+    """A teardown the agent did not ask for itself (the central service's hang verdict, an
+    operator) kills the replica's local processes; a plain eviction kills nothing."""
+    quorum = await make_quorum_server(heartbeat_timeout=timedelta(seconds=30))
+    async with health_nodes(token) as make:
+        _, agent, client = await _teardown_stack(make, quorum.address, token)
+        try:
+            r0 = spawn(agent.grpc_address, "r0")
+            r1 = [spawn(agent.grpc_address, "r1", "--rank", str(rank)) for rank in (0, 1)]
+            await _all_running(agent, 3)
+            assert agent.quorum is not None
+            link = agent.quorum
+            await eventually(lambda: _now(link.watching))
+
+            # In this order on the one stream: r0's plain eviction is handled before r1's.
+            assert await client.report_failure("r0", "slow", reporter="operator")
+            assert await client.report_failure("r1", "hang", reporter="operator", teardown=True)
+            assert await _exit_codes(r1) == [-signal.SIGTERM, -signal.SIGTERM]
+            assert r0.poll() is None
+        finally:
+            await client.close()
+
+
+async def test_under_the_report_policy_the_incident_is_kept_and_nothing_is_killed(
+    spawn: Spawn, token: str, make_quorum_server: QuorumServerFactory
+) -> None:
+    quorum = await make_quorum_server(heartbeat_timeout=timedelta(seconds=30))
+    async with health_nodes(token) as make:
+        central, agent, client = await _teardown_stack(
+            make, quorum.address, token, failure_action="report"
+        )
+        try:
+            r1 = [spawn(agent.grpc_address, "r1", "--rank", str(rank)) for rank in (0, 1)]
+            await _all_running(agent, 2)
+
+            r1[1].send_signal(signal.SIGSTOP)
+            found = await _incident_naming(central, {IncidentKind.FAIL_STOP}, "r1")
+            # The incident is written after the report (and, under `kill`, after the kill).
+            assert (found.evidence["quorum"], found.evidence["action"]) == ("evicted", "report")
+            assert [p.poll() for p in r1] == [None, None]
+            assert agent.metrics.teardown_kills._value.get() == 0
+        finally:
+            await client.close()
+
+
+async def _now(value: bool) -> bool:
+    return value

@@ -19,9 +19,13 @@ from fthsdp.services.health.telemetry import Heartbeat, RankId, StepRecord
 class FakeQuorum:
     def __init__(self) -> None:
         self.reports: list[tuple[str, str]] = []
+        self.teardowns: list[bool] = []
 
-    async def report_failure(self, replica_id: str, reason: str, *, reporter: str) -> str:
+    async def report_failure(
+        self, replica_id: str, reason: str, *, reporter: str, teardown: bool = False
+    ) -> str:
         self.reports.append((replica_id, reporter))
+        self.teardowns.append(teardown)
         return "evicted"
 
 
@@ -72,6 +76,7 @@ async def test_a_silent_rank_is_reported_at_once_and_once() -> None:
         assert time.monotonic() < deadline, "the failure was never reported"
         await asyncio.sleep(0.001)
     assert quorum.reports == [("r1", "fthsdp-health-agent:n1")]
+    assert quorum.teardowns == [True]  # the default action: kill
     assert agent.check_once() == []  # reported once
     assert [r.rank.replica_id for r in agent.node_state().ranks] == ["r0"]
     held = agent._take_batch().incidents

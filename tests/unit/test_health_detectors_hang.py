@@ -123,3 +123,32 @@ def test_the_same_process_beating_on_still_hangs_the_collective() -> None:
     core.heartbeat(_beat("a", 0, 6.9, "p1"))
     found = core.evaluate(7.0)
     assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [("a", 0, "never_left")]
+
+
+def test_the_aftermath_of_a_named_hang_is_no_new_hang() -> None:
+    """Seen in a demo run: a/1 never entered ring #1 and was named; its replica was torn down
+    (it left), and the two ranks that waited gave up one after the other. For a moment one had
+    left and the other not, which read as a second culprit ("never left"), and with the culprit
+    gone as "the collective itself is stuck": healthy replicas evicted for a hang they suffered."""
+    core = HealthCore(CFG)
+    for replica in ("a", "b", "c"):
+        core.collectives([_rec(replica, 1, "ftar:1:1", 0, 0.0, 0.1)])
+    core.collectives(
+        [_rec("b", 1, "ftar:1:1", 1, 1.0, None), _rec("c", 1, "ftar:1:1", 1, 1.0, None)]
+    )
+    found = core.evaluate(6.5)
+    assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [
+        ("a", 1, "never_entered")
+    ]
+    core.rank_left(RankId(replica_id="a", rank=1))  # torn down
+    assert core.evaluate(6.6) == []  # b/1 and c/1 inside, none left: not "stuck"
+    core.collectives([_rec("b", 1, "ftar:1:1", 1, 1.0, 6.7)])
+    assert core.evaluate(6.8) == []  # c/1 not yet left: not "never left"
+    core.collectives([_rec("c", 1, "ftar:1:1", 1, 1.0, 6.9)])
+    assert core.evaluate(7.0) == []
+    # The next collective of the group is judged afresh.
+    core.collectives(
+        [_rec("b", 1, "ftar:1:1", 2, 7.0, None), _rec("c", 1, "ftar:1:1", 2, 7.0, 7.1)]
+    )
+    found = core.evaluate(12.5)
+    assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [("b", 1, "never_left")]
