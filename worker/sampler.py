@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fthsdp.worker.data import ShardSpec
+from fthsdp.worker.loader_workers import end_with_this_process
 from fthsdp.worker.manager import Manager
 
 _FORBIDDEN = ("sampler", "batch_sampler", "drop_last")
@@ -100,7 +101,7 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
     the replica's committed position (see the module doc). Every DataLoader option but
     `sampler`, `batch_sampler` and `drop_last` is accepted; iteration never ends. Workers start
     through `forkserver` unless `multiprocessing_context` says otherwise (so the dataset must
-    pickle, as with spawn)."""
+    pickle, as with spawn), and exit once their rank is gone, however it died."""
 
     def __init__(
         self,
@@ -126,6 +127,8 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
             # A rank runs gRPC threads (the quorum and health clients): a worker forked from it
             # can crash in gRPC's state. forkserver forks workers from a clean server process.
             options.setdefault("multiprocessing_context", "forkserver")
+            # Such a worker is not the rank's child: without this it outlives a killed rank.
+            options["worker_init_fn"] = end_with_this_process(options.get("worker_init_fn"))
         super().__init__(dataset, batch_sampler=self.exactly_once, **options)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.common.process_ref import ProcessRef
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import (
     NodeRank,
@@ -43,7 +44,7 @@ from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_link import QuorumLink
-from fthsdp.services.health.teardown import ProcessRef, kill
+from fthsdp.services.health.teardown import kill
 from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,

@@ -32,6 +32,7 @@ import grpc
 
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.common.process_ref import this_process
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_types import (
     MAX_BATCH_RECORDS,
@@ -46,7 +47,6 @@ from fthsdp.services.health.client_types import (
     check_text,
     check_time,
 )
-from fthsdp.services.health.teardown import this_process
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.common.process_ref import MAX_PID
 from fthsdp.services.health.client_types import (
     MAX_BATCH_RECORDS,
     MAX_EVIDENCE_BYTES,
@@ -30,7 +31,6 @@ from fthsdp.services.health.client_types import (
     check_text,
     check_time,
 )
-from fthsdp.services.health.teardown import MAX_PID
 from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,

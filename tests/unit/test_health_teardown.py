@@ -13,13 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fthsdp.services.health.teardown import (
-    ProcessRef,
-    kill,
-    may_signal,
-    process_start,
-    this_process,
-)
+from fthsdp.services.common.process_ref import ProcessRef, process_start, this_process
+from fthsdp.services.health.teardown import kill, may_signal
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 
