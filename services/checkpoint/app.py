@@ -55,6 +55,7 @@ from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.parse import ascii_int
 from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,8 @@ class GuardMiddleware:
             return error_response(401, "unauthorized", "missing or wrong bearer token")
         length = headers.get("content-length")
         limit = self.services.config.max_body_bytes
-        if length is not None and (not length.isdigit() or int(length) > limit):
+        size = None if length is None else ascii_int(length)
+        if length is not None and (size is None or size > limit):
             return error_response(413, "too_large", f"request bodies are limited to {limit} bytes")
         return None
 

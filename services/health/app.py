@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.parse import ascii_int
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.client_codec import incident_to_json
@@ -121,7 +122,8 @@ class GuardMiddleware:
             self.context.metrics.auth_failures.inc()
             return error_response(401, "unauthorized", "missing or wrong bearer token")
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        size = None if length is None else ascii_int(length)
+        if length is not None and (size is None or size > MAX_BODY_BYTES):
             return error_response(413, "too_large", f"bodies are limited to {MAX_BODY_BYTES} bytes")
         if scope["method"] in ("PUT", "POST") and length is None:
             return error_response(411, "length_required", "send a Content-Length")

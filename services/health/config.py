@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from fthsdp.services.common.parse import MAX_PORT, host_port
 from fthsdp.services.health.client_types import MAX_BATCH_RECORDS, MAX_NAME_CHARS
 
-MAX_PORT = 65535
 FailureAction = Literal["kill", "report"]
 FAILURE_ACTIONS: tuple[FailureAction, ...] = ("kill", "report")
 Mode = Literal["central", "agent"]
@@ -18,9 +18,10 @@ DEFAULT_PORTS: dict[Mode, tuple[int, int]] = {"central": (7460, 7461), "agent": 
 
 
 def _check_address(address: str, what: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
-        raise ValueError(f"{what} must be host:port, got {address!r}")
+    try:
+        host_port(address)
+    except ValueError:
+        raise ValueError(f"{what} must be host:port, got {address!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

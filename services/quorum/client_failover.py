@@ -12,6 +12,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from fthsdp.services.common.parse import host_port
+
 MAX_ADDRESSES = 16
 
 
@@ -25,9 +27,10 @@ def parse_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
     if len(addresses) > MAX_ADDRESSES:
         raise ValueError(f"at most {MAX_ADDRESSES} quorum service addresses")
     for item in addresses:
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"quorum service address {item!r} is not host:port")
+        try:
+            host_port(item)
+        except ValueError:
+            raise ValueError(f"quorum service address {item!r} is not host:port") from None
     return addresses
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from fthsdp.services.common.parse import host_port
 from fthsdp.services.quorum.client_types import (
     InvalidRequestError,
     Member,
@@ -161,9 +162,12 @@ def _check_ftar(rank: int, address: str) -> None:
         raise InvalidRequestError(
             f"rank {rank}: ftar address must have 1..{MAX_ADDRESS_CHARS} chars"
         )
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise InvalidRequestError(f"rank {rank}: ftar address must be host:port, got {address!r}")
+    try:
+        host_port(address)
+    except ValueError:
+        raise InvalidRequestError(
+            f"rank {rank}: ftar address must be host:port, got {address!r}"
+        ) from None
 
 
 def _check_url(rank: int, url: str) -> None:

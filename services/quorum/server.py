@@ -48,7 +48,11 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["QuorumService"].full_name
 _MAX_PENDING_CALLS = 16384
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Join with 4096 ranks x 2 x 256 chars fits many times
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest answer (a quorum with every member's endpoints)."""
+_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""Largest request: a Join of 4096 ranks x 2 addresses x 256 characters is about 2.1 MiB. A cap
+near what is needed bounds what anyone, token or not, can make the service receive."""
 
 ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
     InvalidRequestError: (grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
@@ -262,7 +266,7 @@ class QuorumServer:
         server = grpc.aio.server(
             interceptors=[BearerAuth(self._token, on_refused=self.metrics.auth_failures.inc)],
             options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
                 ("grpc.keepalive_permit_without_calls", 1),

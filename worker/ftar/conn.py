@@ -6,6 +6,7 @@ import contextlib
 import socket
 import struct
 
+from fthsdp.services.common.parse import host_port
 from fthsdp.worker.ftar import auth, wire
 from fthsdp.worker.ftar.errors import FatalFtarError, FtarPeerError
 
@@ -23,12 +24,10 @@ __all__ = [
 
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` for IPv6) -> (host, port); FatalFtarError if malformed."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise FatalFtarError(f"bad FTAR address {address!r}: want host:port")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+    try:
+        return host_port(address)
+    except ValueError:
+        raise FatalFtarError(f"bad FTAR address {address!r}: want host:port") from None
 
 
 def format_address(host: str, port: int) -> str:

@@ -1,0 +1,169 @@
+"""What a request costs before it is trusted, on real servers: a request without the token is
+refused without being decoded (RSS measured on a real quorum-service process), and one that does
+not decode is a clean INVALID_ARGUMENT, for unary and streaming methods of both gRPC services."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fthsdp.services.quorum.client import AsyncQuorumClient, InvalidRequestError, RankEndpoint
+from tests.integration.conftest import QuorumServerFactory
+from tests.integration.health_support import NodeFactory, health_nodes
+
+GARBAGE = b"\xff\xff\xff\xff\x0f not a protobuf"
+
+
+@pytest.fixture
+async def make_node(token: str):  # type: ignore[no-untyped-def]
+    async with health_nodes(token) as make:
+        yield make
+
+
+async def _raw_call(
+    address: str, method: str, body: bytes, token: str | None, *, stream: bool = False
+) -> grpc.StatusCode:
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            if stream:
+                call = channel.unary_stream(method)(body, metadata=metadata, timeout=5)
+                async for _ in call:
+                    pass
+            else:
+                await channel.unary_unary(method)(body, metadata=metadata, timeout=5)
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    ("method", "stream"),
+    [
+        ("/fthsdp.v1.QuorumService/Join", False),
+        ("/fthsdp.v1.QuorumService/Watch", True),
+    ],
+)
+async def test_the_quorum_service_answers_garbage_with_invalid_argument(
+    make_quorum_server: QuorumServerFactory, token: str, method: str, stream: bool
+) -> None:
+    server = await make_quorum_server()
+    code = await _raw_call(server.address, method, GARBAGE, token, stream=stream)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    # Without the token the same bytes are refused for the token, never looked at.
+    code = await _raw_call(server.address, method, GARBAGE, None, stream=stream)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_flood_of_garbage_logs_one_line_and_no_traceback(
+    make_quorum_server: QuorumServerFactory, token: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = await make_quorum_server()
+    caplog.set_level(logging.DEBUG)
+    for _ in range(50):
+        code = await _raw_call(server.address, "/fthsdp.v1.QuorumService/Heartbeat", GARBAGE, token)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) <= 1, [r.getMessage() for r in warnings]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+@pytest.mark.parametrize("port", ["²", "１２３", "٣٣", "0", "65536"])
+async def test_a_join_with_a_port_that_is_no_port_is_invalid_argument(
+    make_quorum_server: QuorumServerFactory, token: str, port: str
+) -> None:
+    server = await make_quorum_server()
+    client = AsyncQuorumClient(server.address, token)
+    try:
+        with pytest.raises(InvalidRequestError, match="host:port"):
+            await client.join("r0", [RankEndpoint(ftar=f"h:{port}", checkpoint="http://h:1")])
+    finally:
+        await client.close()
+
+
+async def test_health_ingest_answers_garbage_with_invalid_argument(
+    make_node: NodeFactory, token: str
+) -> None:
+    node = await make_node()
+    method = "/fthsdp.v1.HealthService/Report"
+    assert await _raw_call(node.grpc_address, method, GARBAGE, token) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert await _raw_call(node.grpc_address, method, GARBAGE, None) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+
+
+# ---- memory: a tokenless request is never decoded ------------------------------------------
+
+
+def _hostile_join(size: int) -> bytes:
+    """A JoinRequest of empty RankEndpoint entries: 2 bytes each on the wire (field 3, length
+    0), tens of bytes each once decoded."""
+    return b"\x1a\x00" * (size // 2)
+
+
+@pytest.fixture
+def quorum_process(tmp_path: Path, token: str) -> Iterator[tuple[str, int]]:
+    """A real quorum-service process: (its address, its pid)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    argv = [sys.executable, "-m", "fthsdp.services.quorum", "--port", "0", "--admin-port", "0"]
+    process = subprocess.Popen(
+        [*argv, "--token-file", str(token_file)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        banner = process.stdout.readline()
+        found = re.search(r"listening on (\S+)", banner)
+        assert found, banner
+        yield found.group(1), process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _send(address: str, body: bytes) -> grpc.StatusCode:
+    with grpc.insecure_channel(
+        address, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as channel:
+        try:
+            channel.unary_unary("/fthsdp.v1.QuorumService/Join")(body, timeout=30)
+        except grpc.RpcError as err:
+            return err.code()  # type: ignore[attr-defined, no-any-return]
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_tokenless_requests_cost_their_size_not_their_decoded_size(
+    quorum_process: tuple[str, int],
+) -> None:
+    address, pid = quorum_process
+    before = _rss_bytes(pid)
+    body = _hostile_join(7 << 20)  # just under the 8 MiB request cap
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: _send(address, body), range(4)))
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    grown = _rss_bytes(pid) - before
+    # Decoded, each would be about 28 x 7 MiB (about 200 MB; 800 MB for the four); received
+    # and dropped, each costs about its size.
+    assert grown < 120 << 20, f"RSS grew by {grown >> 20} MiB"
+    # Beyond the cap a request is refused before it is even received in full.
+    assert _send(address, _hostile_join(9 << 20)) == grpc.StatusCode.RESOURCE_EXHAUSTED
