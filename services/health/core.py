@@ -14,6 +14,7 @@ inside, so a death shorter than the heartbeat timeout is not mistaken for a hang
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,6 +37,8 @@ from fthsdp.services.health.telemetry import (
 )
 
 ReplicaState = Literal["healthy", "suspect", "down"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,12 +174,20 @@ class HealthCore:
     # ---- decisions ------------------------------------------------------------------------
 
     def evaluate(self, now: float) -> list[Incident]:
-        """Incidents that became true since the last call, fail-stop first."""
-        found = self._failstop.check(now)
-        found += self._new_hangs(now)
-        found += self._slowrank.check(now)
-        found += self._failslow.check(now)
-        found += self._sdc.check(now)
+        """Incidents that became true since the last call, fail-stop first. A detector that
+        fails is logged and skipped: it never takes another one's verdict with it."""
+        found: list[Incident] = []
+        for name, check in (
+            ("fail-stop", self._failstop.check),
+            ("hang", self._new_hangs),
+            ("slow-rank", self._slowrank.check),
+            ("fail-slow", self._failslow.check),
+            ("sdc", self._sdc.check),
+        ):
+            try:
+                found += check(now)
+            except Exception:
+                log.exception("the %s detector failed", name)
         self._collectives.expire(now)
         self._mark(found)
         return [self._with_host(incident) for incident in found]

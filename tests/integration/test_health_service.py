@@ -255,13 +255,24 @@ async def test_bad_http_inputs_are_400_with_a_json_body(make_node: NodeFactory, 
             response = await http.get(path)
             assert response.status_code == 400, path
             assert response.json()["error"] == "invalid_argument"
-        for body in (b'{"no_such_setting": 1}', b'{"fail_slow_policy": "shrug"}', b"[1]", b"{"):
+        before = (await http.get("/v1/detectors")).json()
+        for body in (
+            b'{"no_such_setting": 1}',
+            b'{"fail_slow_policy": "shrug"}',
+            b"[1]",
+            b"{",
+            # Sizes that broke the detectors' memory, and a timeout that fails every rank:
+            b'{"slow_rank_window": 9223372036854775808}',
+            b'{"slow_rank_window": 9223372036854775807}',
+            b'{"heartbeat_timeout_s": 1e-300}',
+            b'{"hang_timeout_s": 1e300}',
+        ):
             response = await http.put("/v1/detectors", content=body)
             assert response.status_code == 400, body
             assert response.json()["error"] == "invalid_argument"
         big = b'{"x": "' + b"a" * 70_000 + b'"}'
         assert (await http.put("/v1/detectors", content=big)).status_code == 413
         assert (await http.get("/v1/records/nope")).status_code == 404
-        assert (await http.get("/v1/detectors")).json()["fail_slow_policy"] == "report"
+        assert (await http.get("/v1/detectors")).json() == before  # nothing half-applied
     with HealthClient(central.http_url or "", token) as client, pytest.raises(InvalidReportError):
         await asyncio.to_thread(client.incidents, kind="meltdown")

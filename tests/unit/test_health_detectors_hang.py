@@ -152,3 +152,18 @@ def test_the_aftermath_of_a_named_hang_is_no_new_hang() -> None:
     )
     found = core.evaluate(12.5)
     assert [(i.replica_id, i.rank, i.evidence["reason"]) for i in found] == [("b", 1, "never_left")]
+
+
+def test_a_failing_detector_never_takes_another_ones_verdict_with_it() -> None:
+    """Seen with an oversized setting: one detector raised on every evaluation, and a rank that
+    fell silent meanwhile was marked reported but its incident never came out."""
+    core = HealthCore(DetectorConfig(heartbeat_timeout_s=1.0))
+    core.heartbeat(_beat("a", 0, 0.0, "p"))
+
+    class Broken:
+        def check(self, now: float) -> list[object]:
+            raise OverflowError("a detector's bug")
+
+    core._slowrank = Broken()  # type: ignore[assignment]
+    found = core.evaluate(5.0)
+    assert [(i.kind, i.replica_id, i.rank) for i in found] == [(IncidentKind.FAIL_STOP, "a", 0)]

@@ -12,6 +12,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+_RANGES: dict[str, tuple[float, float]] = {
+    "heartbeat_timeout_s": (0.05, 3600.0),
+    "hang_timeout_s": (0.1, 86400.0),
+    "collective_retention_s": (1.0, 7 * 86400.0),
+    "slow_rank_window": (1, 10_000),
+    "slow_rank_min_samples": (1, 10_000),
+    "slow_rank_min_lag_s": (1e-4, 60.0),
+    "fail_slow_warmup_steps": (4, 100_000),
+    "fail_slow_margin": (1e-3, 100.0),
+    "fail_slow_persist_steps": (1, 10_000),
+    "fail_slow_cusum_slack": (0.0, 100.0),
+    "fail_slow_cusum_threshold": (1e-3, 1e6),
+    "sdc_min_replicas": (3, 100_000),
+    "sdc_window_steps": (1, 100_000),
+}
+"""Bounds of every numeric setting (slow_rank_min_fraction has its own): settings sized far past
+them (a 2**63 window) break the detectors' memory, far below them (a 1e-300 s timeout) turn
+every rank into an incident."""
+
 FailSlowPolicy = Literal["report", "evict"]
 _POLICIES: tuple[str, ...] = ("report", "evict")
 
@@ -62,6 +81,10 @@ class DetectorConfig:
     """Fingerprints are kept for this many most recent steps (bounds memory)."""
 
     def __post_init__(self) -> None:
+        for name, (low, high) in _RANGES.items():
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and low <= value <= high):
+                raise ValueError(f"{name} must be in {low:g}..{high:g}, got {value!r}")
         for name in ("heartbeat_timeout_s", "hang_timeout_s", "collective_retention_s"):
             _positive(name, getattr(self, name))
         if self.collective_retention_s <= self.hang_timeout_s:
