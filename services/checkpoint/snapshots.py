@@ -141,7 +141,9 @@ class SnapshotRegistry:
         if not _FILE.match(file) or ".." in file:
             raise InvalidArgumentError("file must be a plain file name inside the shm dir")
         try:
-            fd = os.open(self.config.shm_dir / file, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: opening a FIFO for reading would block until a writer came (a
+            # registration naming one held a worker thread for good); fstat refuses it below.
+            fd = os.open(self.config.shm_dir / file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
             raise InvalidArgumentError(
                 f"cannot open {file!r} in the shm dir: {exc.strerror}"

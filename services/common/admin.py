@@ -16,6 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_POLL_S = 0.1  # how often serve_forever checks for shutdown: bounds stop() latency
+CLIENT_TIMEOUT_S = 5.0
+"""A connection silent this long mid-request is closed (its thread with it): a probe or a scrape
+sends its request at once, a slow-loris client would hold a thread each for ever."""
 
 
 class AdminServer:
@@ -65,6 +68,8 @@ class AdminServer:
         admin = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = CLIENT_TIMEOUT_S
+
             def do_GET(self) -> None:
                 if self.path == "/metrics":
                     self._send(200, generate_latest(admin._registry), CONTENT_TYPE_LATEST)

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 64 * 1024
+"""The request line and headers together (h11 answers 431 beyond it)."""
 _OPEN_PATHS = frozenset({"/livez", "/readyz", "/", "/dashboard", "/openapi.json", "/docs"})
 
 ERROR_STATUS: dict[type[HealthError], int] = {
@@ -332,6 +334,9 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             ws="none",
+            # h11, for its bound on an incomplete request: a 64 MiB header was read in full.
+            http="h11",
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             timeout_graceful_shutdown=max(math.ceil(grace), 1),
         )
         self._server = _Uvicorn(config)

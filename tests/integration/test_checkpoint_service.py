@@ -185,6 +185,7 @@ def test_malformed_and_oversized_requests_are_refused(sidecars: Start, token: st
     positions, many = f"/v1/positions/{JOB}/r0", {str(i): i for i in range(65)}
     (shm / "f.snap").write_bytes(bytes(64))
     os.symlink(shm / "f.snap", shm / "link.snap")
+    os.mkfifo(shm / "fifo.snap")  # opened blocking, it held a worker thread for good
     (server.config.shm_dir.parent / "outside.snap").write_bytes(bytes(64))
     with httpx.Client(base_url=server.url, headers=auth) as http:
 
@@ -202,6 +203,7 @@ def test_malformed_and_oversized_requests_are_refused(sidecars: Start, token: st
             "traversal": (register(2, file="../outside.snap"), 400),
             "absolute": (register(2, file=str(shm / "f.snap")), 400),
             "symlink": (register(2, file="link.snap"), 400),
+            "fifo": (register(2, file="fifo.snap"), 400),
             "size mismatch": (register(2, total_bytes=128), 400),
             "overlap": (register(2, tensors=[entry, overlapping]), 400),
             "nbytes lie": (register(2, tensors=[{**entry, "nbytes": 60}]), 400),

@@ -1,11 +1,15 @@
 """What a request costs before it is trusted, on real servers: a request without the token is
-refused without being decoded (RSS measured on a real quorum-service process), and one that does
-not decode is a clean INVALID_ARGUMENT, for unary and streaming methods of both gRPC services."""
+refused without being decoded (RSS measured on a real quorum-service process), one that does not
+decode is a clean INVALID_ARGUMENT, for unary and streaming methods of both gRPC services; HTTP
+headers are bounded and a silent half-request is dropped."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fthsdp.services.common.admin import CLIENT_TIMEOUT_S
 from fthsdp.services.quorum.client import AsyncQuorumClient, InvalidRequestError, RankEndpoint
 from tests.integration.conftest import QuorumServerFactory
 from tests.integration.health_support import NodeFactory, health_nodes
@@ -167,3 +172,49 @@ def test_tokenless_requests_cost_their_size_not_their_decoded_size(
     assert grown < 120 << 20, f"RSS grew by {grown >> 20} MiB"
     # Beyond the cap a request is refused before it is even received in full.
     assert _send(address, _hostile_join(9 << 20)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# ---- HTTP: bounded headers, no slow-loris threads -------------------------------------------
+
+
+def _drain(sock: socket.socket, seconds: float) -> bytes:
+    """What the server sends until it closes the connection (fails after `seconds`)."""
+    sock.settimeout(seconds)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+async def test_a_huge_header_is_refused_without_reading_it_all(
+    make_node: NodeFactory, token: str
+) -> None:
+    node = await make_node()
+    host, port = (node.http_url or "").removeprefix("http://").rsplit(":", 1)
+
+    def send() -> bytes:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\nx-junk: ")
+            with contextlib.suppress(OSError):  # the server may close while we still send
+                for _ in range(64):
+                    sock.sendall(b"a" * (1 << 20))
+            return _drain(sock, 10.0)
+
+    answer = await asyncio.to_thread(send)
+    # Refused after the 64 KiB bound (h11 says 400), or cut off while we still sent.
+    assert answer == b"" or answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), answer[:80]
+
+
+async def test_the_admin_port_drops_a_silent_half_request(
+    make_quorum_server: QuorumServerFactory,
+) -> None:
+    server = await make_quorum_server()
+    assert server.admin_address is not None
+    host, port = server.admin_address.rsplit(":", 1)
+
+    def send() -> bytes:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /livez HTTP/1.1\r\n")  # and then nothing
+            return _drain(sock, CLIENT_TIMEOUT_S + 10.0)
+
+    assert await asyncio.to_thread(send) == b""  # closed by the server, not our timeout
