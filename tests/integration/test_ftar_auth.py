@@ -3,8 +3,10 @@ join a ring; a raw connection without a valid proof is closed before any of its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -81,3 +83,34 @@ def test_a_proof_holds_only_for_its_key_challenge_and_message(field: str) -> Non
 def test_ring_keys_differ_by_token_and_stay_out_of_reprs() -> None:
     assert auth.ring_key("a") == auth.ring_key(b"a") != auth.ring_key("b")
     assert "auth_key" not in repr(KEYED) and repr(KEYED.auth_key) not in repr(KEYED)
+
+
+def test_silent_and_trickling_clients_do_not_keep_the_ring_from_re_forming() -> None:
+    """Seen with a probe: the one accept thread read each HELLO with a per-read timeout and no
+    overall deadline, so a client sending a byte every few seconds made every reconfigure fail.
+    Now each handshake runs on its own under `hello_timeout`."""
+    with ring_set(3) as rings:
+        # r2 leaves: r1's right neighbour becomes r0, which must accept a new connection.
+        strangers = []
+        for ring in rings[:2]:
+            host, port = ring.address.rsplit(":", 1)
+            strangers += [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+        stop = threading.Event()
+
+        def trickle(sock: socket.socket) -> None:
+            while not stop.wait(0.5):
+                with contextlib.suppress(OSError):
+                    sock.send(b"\x00")
+
+        threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in strangers[::2]]
+        for thread in threads:
+            thread.start()
+        try:
+            reconfigure_all(rings[:2], 2)
+            works = exchange(rings[:2], [[torch.ones(16)], [torch.full((16,), 3.0)]])
+            assert all(w.exception() is None for w in works)
+            assert torch.equal(works[0].tensors[0], torch.full((16,), 2.0))
+        finally:
+            stop.set()
+            for sock in strangers:
+                sock.close()

@@ -39,6 +39,11 @@ class FtarConfig:
     connect_timeout: timedelta = timedelta(seconds=10)
     """Bound on ``reconfigure`` establishing both neighbour connections (with retries)."""
 
+    hello_timeout: timedelta = timedelta(seconds=2)
+    """Bound on an accepted connection's whole handshake (its HELLO, however it trickles in):
+    a peer sends it at once; a silent or slow client is dropped by then, and since handshakes
+    run side by side it never delays the expected neighbour."""
+
     socket_buffer_bytes: int = 0
     """SO_SNDBUF/SO_RCVBUF for ring sockets; 0 leaves the kernel's autotuning in charge."""
 
@@ -62,7 +67,7 @@ class FtarConfig:
             raise ValueError("chunk_bytes must be a multiple of 4 (float32 elements)")
         if not 1 <= self.chunks_in_flight <= 1024:
             raise ValueError("chunks_in_flight must be in [1, 1024]")
-        for name in ("chunk_timeout", "exchange_timeout", "connect_timeout"):
+        for name in ("chunk_timeout", "exchange_timeout", "connect_timeout", "hello_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):
                 raise ValueError(f"{name} must be a positive timedelta")

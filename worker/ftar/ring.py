@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_PARKED = 8
+_MAX_HANDSHAKES = 32
+"""Handshakes in progress at once; a connection beyond them is closed at once (a legitimate
+ring has two neighbours per rank reconnecting, not dozens)."""
 _MAX_NUMEL = 1 << 40
 _HELPER_GRACE_S = 5.0
 
@@ -545,6 +548,9 @@ class FtarRing:
             raise FtarAbortedError("aborted during reconfigure")
 
     def _accept_loop(self) -> None:
+        """Accepts; each connection's handshake runs in a thread of its own under one overall
+        deadline, so a silent or trickling client never holds up the neighbour behind it."""
+        handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         while True:
             try:
                 sock, _ = self._listener.accept()
@@ -553,27 +559,52 @@ class FtarRing:
                     return
                 continue
             self._counters.accepts += 1
-            try:
-                conn.tune(sock, 0)
-                challenge = auth.new_nonce()
-                sock.settimeout(self.config.connect_timeout.total_seconds())
-                sock.sendall(wire.Challenge(challenge).encode())
-                hello, nonce = conn.read_hello(
-                    sock, self.config.max_ring_size, self.config.auth_key, challenge
-                )
-            except (OSError, FtarError) as exc:
-                log.warning("ftar rejected a connection: %r", exc, extra=self._ctx())
+            if self._closed:
+                conn.close_quietly(sock)
+                return
+            if not handshakes.acquire(blocking=False):
+                log.warning("ftar dropped a connection: too many handshakes", extra=self._ctx())
                 conn.close_quietly(sock)
                 continue
-            with self._lock:
-                if self._closed:
-                    conn.close_quietly(sock)
-                    return
-                topo = self._topo
-                if topo is None or hello.epoch > topo.epoch:
-                    self._park_locked(sock, hello, nonce)
-                else:
-                    self._admit_locked(sock, hello, nonce)
+            threading.Thread(
+                target=self._accept_handshake,
+                args=(sock, handshakes),
+                name=f"ftar-hello-{self.address}",
+                daemon=True,
+            ).start()
+
+    def _accept_handshake(
+        self, sock: socket.socket, handshakes: threading.BoundedSemaphore
+    ) -> None:
+        # Past the deadline the socket is shut down under the reader, whatever it is waiting on.
+        cutoff = threading.Timer(
+            self.config.hello_timeout.total_seconds(), conn.shutdown_quietly, (sock,)
+        )
+        cutoff.start()
+        try:
+            conn.tune(sock, 0)
+            challenge = auth.new_nonce()
+            sock.settimeout(self.config.hello_timeout.total_seconds())
+            sock.sendall(wire.Challenge(challenge).encode())
+            hello, nonce = conn.read_hello(
+                sock, self.config.max_ring_size, self.config.auth_key, challenge
+            )
+        except (OSError, FtarError) as exc:
+            log.warning("ftar rejected a connection: %r", exc, extra=self._ctx())
+            conn.close_quietly(sock)
+            return
+        finally:
+            cutoff.cancel()
+            handshakes.release()
+        with self._lock:
+            if self._closed:
+                conn.close_quietly(sock)
+                return
+            topo = self._topo
+            if topo is None or hello.epoch > topo.epoch:
+                self._park_locked(sock, hello, nonce)
+            else:
+                self._admit_locked(sock, hello, nonce)
 
     def _park_locked(self, sock: socket.socket, hello: wire.Hello, nonce: bytes) -> None:
         self._parked.append((sock, hello, nonce))
