@@ -22,6 +22,9 @@ _MAX_VALIDATION_ERRORS = 5
 def error_response(status: int, code: str, detail: str) -> JSONResponse:
     """The JSON error body (with `WWW-Authenticate` on 401)."""
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    # A detail may echo the client's input, lone surrogates included ("\ud800" is valid JSON):
+    # escaped, they cannot make the error itself fail to encode (a 500 instead of the 400).
+    detail = detail.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
