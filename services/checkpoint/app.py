@@ -42,7 +42,6 @@ from fthsdp.services.checkpoint.client_errors import (
 from fthsdp.services.checkpoint.client_manifest import (
     ID_PATTERN,
     MAX_DIMS,
-    MAX_STEP,
     MAX_TENSORS,
     Manifest,
     TensorEntry,
@@ -55,7 +54,7 @@ from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
-from fthsdp.services.common.parse import ascii_int
+from fthsdp.services.common.parse import MAX_STEP, ascii_int
 from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fthsdp.services.checkpoint.client_errors import InvalidArgumentError
+from fthsdp.services.common.parse import MAX_STEP
 
 FORMAT = "fthsdp.checkpoint.v1"
 CHECKSUM_ALGORITHM = "crc32"
@@ -45,7 +46,6 @@ MAX_DIMS = 16
 MAX_META_KEYS = 64
 MAX_META_KEY_CHARS = 128
 MAX_META_VALUE_CHARS = 1024
-MAX_STEP = 2**62
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -7,6 +7,9 @@ and `int` accepts fullwidth and Arabic-Indic digits, which would be stored and e
 from __future__ import annotations
 
 MAX_PORT = 65535
+MAX_STEP = 1 << 62
+"""The largest training step any service accepts (one bound for all of them: a step the quorum
+service took must be one the checkpoint and health services take too)."""
 
 
 def ascii_int(text: str) -> int | None:

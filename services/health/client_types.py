@@ -5,6 +5,8 @@ the servers map them through one table each (`server.ERROR_TABLE`, `app.ERROR_ST
 
 from __future__ import annotations
 
+from fthsdp.services.common.parse import MAX_STEP
+
 MAX_ID_CHARS = 128
 """replica_id and digests: the quorum service's limit, so an id the health service accepts can
 always be reported to it."""
@@ -17,7 +19,6 @@ MAX_TEXT_CHARS = 1024
 """summaries and reasons."""
 MAX_EVIDENCE_BYTES = 16384
 MAX_RANK = 1 << 20
-MAX_STEP = 1 << 62
 MAX_BATCH_RECORDS = 10000
 """Records of all kinds in one Report."""
 MAX_NODE_RANKS = 4096

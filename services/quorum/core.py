@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from fthsdp.services.common.parse import host_port
+from fthsdp.services.common.parse import MAX_STEP, host_port
 from fthsdp.services.quorum.client_types import (
     InvalidRequestError,
     Member,
@@ -137,9 +137,9 @@ def check_reason(value: str) -> str:
 
 
 def check_step(step: int) -> int:
-    """A training step: never negative."""
-    if step < 0:
-        raise InvalidRequestError(f"step must be >= 0, got {step}")
+    """A training step: in 0..MAX_STEP."""
+    if not 0 <= step <= MAX_STEP:
+        raise InvalidRequestError(f"step must be in 0..{MAX_STEP}, got {step}")
     return step
 
 

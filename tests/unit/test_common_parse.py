@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from fthsdp.services.common.parse import ascii_int, host_port
+from fthsdp.services.common.parse import MAX_STEP, ascii_int, host_port
 
 
 @pytest.mark.parametrize(
@@ -28,3 +30,20 @@ def test_only_ascii_digits_are_a_number() -> None:
     assert ascii_int("0042") == 42
     for text in ("", "²", "１", "-1", "1.0", " 1", "1e3"):
         assert ascii_int(text) is None, text
+
+
+def test_every_service_takes_the_same_largest_step() -> None:
+    """The quorum service took steps up to 2**63 - 1 that checkpoint and health then refused."""
+    from fthsdp.services.checkpoint import client_manifest
+    from fthsdp.services.health import client_types
+    from fthsdp.services.quorum import core
+
+    checks: list[tuple[Callable[[int], int], type[Exception]]] = [
+        (core.check_step, core.InvalidRequestError),
+        (client_types.check_step, client_types.InvalidReportError),
+        (client_manifest.check_step, client_manifest.InvalidArgumentError),
+    ]
+    for check, invalid in checks:
+        assert check(MAX_STEP) == MAX_STEP
+        with pytest.raises(invalid):
+            check(MAX_STEP + 1)
