@@ -46,6 +46,8 @@ class BearerAuth(_Interceptor):
         self._token = token
         self._on_refused = on_refused
         self._trailing = trailing
+        self._guarded: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        """Method -> its guarded handler, built once (a service's handlers never change)."""
 
     async def intercept_service(
         self,
@@ -62,7 +64,11 @@ class BearerAuth(_Interceptor):
             if key == "authorization":
                 presented = value if isinstance(value, str) else value.decode(errors="replace")
         if self._token.accepts(presented):
-            return _guarded(handler, handler_call_details.method)
+            method = handler_call_details.method
+            guarded = self._guarded.get(method)
+            if guarded is None:
+                guarded = self._guarded[method] = _guarded(handler, method)
+            return guarded
         self._on_refused()
         return self._refusal(handler)
 
