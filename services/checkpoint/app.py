@@ -159,8 +159,20 @@ class GuardMiddleware:
             self._count(scope, refusal.status_code, 0.0)
             return
         status = [500]
+        too_large = [False]
 
         async def send_and_note(message: Message) -> None:
+            if too_large[0]:
+                # The framework turns the bound's error, raised while it parses the body, into
+                # its own 400; the client sent too much, and is told so.
+                if message["type"] == "http.response.start":
+                    status[0] = 413
+                    limit = self.services.config.max_body_bytes
+                    answer = error_response(
+                        413, "too_large", f"request bodies are limited to {limit} bytes"
+                    )
+                    await answer(scope, receive, send)
+                return
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
@@ -168,7 +180,7 @@ class GuardMiddleware:
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
-            await self.app(scope, self._bounded(receive), send_and_note)
+            await self.app(scope, self._bounded(receive, too_large), send_and_note)
         finally:
             self._count(scope, status[0], loop.time() - start)
 
@@ -185,13 +197,14 @@ class GuardMiddleware:
             return error_response(413, "too_large", f"request bodies are limited to {limit} bytes")
         return None
 
-    def _bounded(self, receive: Receive) -> Receive:
+    def _bounded(self, receive: Receive, too_large: list[bool]) -> Receive:
         limit, seen = self.services.config.max_body_bytes, [0]
 
         async def bounded() -> Message:
             message = await receive()
             seen[0] += len(message.get("body", b""))
             if seen[0] > limit:
+                too_large[0] = True
                 raise PayloadTooLargeError(f"request bodies are limited to {limit} bytes")
             return message
 

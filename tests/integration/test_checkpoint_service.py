@@ -229,6 +229,16 @@ def test_malformed_and_oversized_requests_are_refused(sidecars: Start, token: st
     )
     answer = _raw_http(server.url, head.encode())
     assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+    # the same without a declared length: counted as it arrives, and still 413
+    limit = server.config.max_body_bytes
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(limit // len(chunk) + 2))
+    head = (
+        f"POST /v1/snapshots/{JOB}/r0/0/3 HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n"
+        "content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    answer = _raw_http(server.url, head.encode() + body + b"0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
 
 
 def test_positions_round_trip_at_step_and_survive_restart(
