@@ -1,7 +1,9 @@
 """Every rank's watch on the quorum service: a ring member's eviction aborts the exchange at once,
-instead of after the exchange timeout (pushed failure notices, DESIGN.md); its own replica's
-eviction with a teardown (one of its ranks is dead or hung) calls `on_teardown`, so this rank
-does not sit in a collective with the dead one until a timeout."""
+instead of after the exchange timeout (pushed failure notices, DESIGN.md); so does a newer quorum
+formed without this replica (its ring's epoch can no longer commit: the others moved on, and a
+rank still connecting or exchanging in it would wait for peers that never come). Its own
+replica's eviction with a teardown (one of its ranks is dead or hung) calls `on_teardown`, so
+this rank does not sit in a collective with the dead one until a timeout."""
 
 from __future__ import annotations
 
@@ -79,6 +81,9 @@ class RingWatch:
                 self._on_teardown(event)
             return
         plan = self._plan()
+        if event.kind == "quorum":
+            self._on_quorum(event, plan)
+            return
         if (
             event.kind in ("evicted", "left")
             and plan is not None
@@ -90,6 +95,21 @@ class RingWatch:
                 extra=self._context(evicted=event.replica_id),
             )
             self._ring.abort()
+
+    def _on_quorum(self, event: MembershipEvent, plan: StepPlan | None) -> None:
+        epoch = self._ring.epoch
+        if (
+            plan is None
+            or epoch is None
+            or epoch >= event.quorum_id
+            or self._config.replica_id in event.members
+        ):
+            return  # a member's leader asked for it: its ranks are past their last exchange
+        log.info(
+            "quorum formed without this replica; aborting the ring",
+            extra=self._context(quorum_id=event.quorum_id, epoch=epoch),
+        )
+        self._ring.abort(f"superseded by quorum {event.quorum_id}, which left this replica out")
 
     def _context(self, **fields: object) -> dict[str, object]:
         return {"replica_id": self._config.replica_id, "rank": self._rank, **fields}

@@ -19,6 +19,7 @@ import torch
 from fthsdp.worker.ftar import (
     FtarAbortedError,
     FtarConfig,
+    FtarEpochMismatchError,
     FtarRing,
     FtarTimeoutError,
     RecoverableFtarError,
@@ -93,8 +94,14 @@ def test_same_epoch_repair_rebuilds_only_broken_links() -> None:
         peers = [r.address for r in rings]
         needy = [(i, r) for i, r in enumerate(rings) if r.broken]
         assert [i for i, _ in needy] == [0, 1, 3]
+        # a gave up epoch 1: until its own reconfigure, its left neighbour d is told so at once.
+        with pytest.raises(FtarEpochMismatchError, match="gave up epoch 1"):
+            d.reconfigure(peers, 3, 1)
+        connects = a.stats().connects
         threads = [threading.Thread(target=r.reconfigure, args=(peers, i, 1)) for i, r in needy]
-        for t in threads:
+        threads[0].start()
+        wait_for(lambda: a.stats().connects > connects)  # a is back in epoch 1: it admits d
+        for t in threads[1:]:
             t.start()
         for t in threads:
             t.join(timeout=20)
@@ -103,6 +110,34 @@ def test_same_epoch_repair_rebuilds_only_broken_links() -> None:
         for w in exchange(rings, xs):
             w.wait(0)
         assert all(torch.equal(x[0], torch.full((64,), 1.5)) for x in xs)
+
+
+def test_a_rank_whose_exchange_failed_refuses_its_epoch_at_once() -> None:
+    """A neighbour that reconfigures late into an epoch whose exchange already failed here is
+    told so at once (its replica votes no and asks for a new quorum) instead of being admitted
+    into an exchange nobody joins until a timeout (the health service named such a rank hung)."""
+    config = FtarConfig(
+        chunk_bytes=64,
+        chunk_timeout=timedelta(milliseconds=200),
+        exchange_timeout=timedelta(milliseconds=400),
+        connect_timeout=timedelta(seconds=5),
+    )
+    with ring_set(3, config) as (a, b, c):
+        with pytest.raises(FtarTimeoutError):
+            a.allreduce([torch.ones(100)], num_contributors=3).wait(timeout=5)
+        c.abort("c was still in an older exchange")  # so it reconnects, as a late rank does
+        peers = [r.address for r in (a, b, c)]
+        started = time.monotonic()
+        with pytest.raises(FtarEpochMismatchError, match="gave up epoch 1"):
+            c.reconfigure(peers, 2, 1)  # c connects to its right neighbour, a
+        assert time.monotonic() - started < 2.5  # not the 5 s connect timeout
+        # The new quorum's epoch is admitted as always, and the ring works again.
+        b.abort()
+        reconfigure_all([a, b, c], epoch=2)
+        xs = [[torch.full((100,), float(i))] for i in range(3)]
+        for w in exchange([a, b, c], xs):
+            w.wait(0)
+        assert all(torch.equal(x[0], torch.full((100,), 1.0)) for x in xs)
 
 
 def test_silent_peer_times_out_recoverably() -> None:

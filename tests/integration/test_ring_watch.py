@@ -1,9 +1,12 @@
 """Every rank's watch on a real quorum service: its own replica's eviction for a teardown calls
-the rank's teardown (which, in the Manager, exits the process); other evictions do not."""
+the rank's teardown (which, in the Manager, exits the process); other evictions do not. A newer
+quorum formed without the rank's replica aborts its ring (it could only wait there for peers that
+moved on); one that includes it does not."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,7 +14,9 @@ from fthsdp.services.quorum.client import MembershipEvent, QuorumClient, RankEnd
 from fthsdp.services.quorum.server import QuorumServerThread
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.ftar import FtarConfig, FtarRing
+from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.ring_watch import RingWatch
+from tests.integration.test_ftar_support import wait_for
 
 _RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
 
@@ -20,19 +25,39 @@ def _wait(event: threading.Event, what: str) -> None:
     assert event.wait(10), f"{what} never happened"
 
 
-def test_only_a_teardown_of_its_own_replica_calls_the_ranks_teardown(
-    quorum_thread: QuorumServerThread, token: str, tmp_path: Path
-) -> None:
-    config = ManagerConfig(
+def _config(address: str, token: str, tmp_path: Path, replica_id: str = "r1") -> ManagerConfig:
+    return ManagerConfig(
         job_id="job",
-        replica_id="r1",
-        replica_index=1,
+        replica_id=replica_id,
+        replica_index=int(replica_id[1:]),
         total_replicas=3,
-        quorum_address=quorum_thread.address,
+        quorum_address=address,
         checkpoint_url="http://127.0.0.1:8080",
         shm_dir=str(tmp_path),
         token=token,
     )
+
+
+def _ring_at(epoch: int, replica_id: str) -> tuple[FtarRing, StepPlan]:
+    """A one-member ring at `epoch` and the plan that put it there."""
+    ring = FtarRing(FtarConfig(auth_key=b"k" * 32))
+    ring.reconfigure([ring.address], 0, epoch)
+    plan = StepPlan(
+        quorum_id=epoch,
+        max_step=0,
+        ring=(ring.address,),
+        ring_replicas=(replica_id,),
+        healthy=(replica_id,),
+        sources=(),
+        serve=False,
+    )
+    return ring, plan
+
+
+def test_only_a_teardown_of_its_own_replica_calls_the_ranks_teardown(
+    quorum_thread: QuorumServerThread, token: str, tmp_path: Path
+) -> None:
+    config = _config(quorum_thread.address, token, tmp_path)
     client = QuorumClient(quorum_thread.address, token)
     ring = FtarRing(FtarConfig(auth_key=b"k" * 32))
     stop = threading.Event()
@@ -86,3 +111,66 @@ def test_the_events_name_the_incarnation_they_are_about(
     finally:
         stream.cancel()
         client.close()
+
+
+def test_a_newer_quorum_without_this_replica_aborts_its_ring(
+    quorum_thread: QuorumServerThread, token: str, tmp_path: Path
+) -> None:
+    """The demo's race after a quorum leader died: r1 sat in its ring's epoch (connecting, or
+    exchanging alone) while r0 and r2 formed a newer quorum; the quorum event ends its wait."""
+    client = QuorumClient(quorum_thread.address, token)
+    ring, plan = _ring_at(0, "r1")  # the in-memory service numbers its first quorum 1
+    stop = threading.Event()
+    watch = RingWatch(
+        _config(quorum_thread.address, token, tmp_path),
+        ring=ring,
+        plan=lambda: plan,
+        stop=stop,
+        rank=0,
+    )
+    try:
+        watch.thread.start()
+        _wait(watch.live, "the watch stream")
+        incarnations = {r: client.join(r, [_RANK]) for r in ("r0", "r2")}
+        assert not ring.broken
+        with ThreadPoolExecutor(2) as pool:
+            asks = [
+                pool.submit(client.quorum, r, i, 0, timeout=timedelta(seconds=10))
+                for r, i in incarnations.items()
+            ]
+            quorum = asks[0].result(timeout=15)
+        assert {m.replica_id for m in quorum.members} == {"r0", "r2"}
+        wait_for(lambda: ring.broken)
+        assert ring.epoch == 0
+    finally:
+        stop.set()
+        watch.close()
+        ring.close()
+        client.close()
+
+
+def test_a_quorum_that_includes_this_replica_or_is_not_newer_leaves_its_ring_alone(
+    tmp_path: Path,
+) -> None:
+    ring, plan = _ring_at(5, "r1")
+    watch = RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=lambda: plan,
+        stop=threading.Event(),
+        rank=0,
+    )
+    try:
+        for quorum_id, members in ((6, ("r0", "r1")), (5, ("r0",)), (4, ("r0",))):
+            event = MembershipEvent(
+                kind="quorum", replica_id=None, quorum_id=quorum_id, reason="", members=members
+            )
+            watch._handle(event)
+            assert not ring.broken, (quorum_id, members)
+        watch._handle(
+            MembershipEvent(kind="quorum", replica_id=None, quorum_id=6, reason="", members=("r0",))
+        )
+        assert ring.broken
+    finally:
+        watch.close()
+        ring.close()

@@ -8,7 +8,11 @@ without a valid proof is closed unread. A HELLO names the connector's epoch, rin
 size and own address; the
 acceptor admits it only as the expected left neighbour of its current epoch, answers STALE to an
 older epoch, WRONG_PEER to anything else in its epoch, and parks a HELLO from a newer epoch until
-its own ``reconfigure`` reaches it (so neighbours may reconfigure in any order).
+its own ``reconfigure`` reaches it (so neighbours may reconfigure in any order). Once an exchange,
+a reconfigure or an ``abort`` has failed the current epoch, the acceptor answers EPOCH_FAILED
+until its next ``reconfigure``: it cannot exchange in that epoch again before then, and its
+replica's vote has failed, so a neighbour that connected now would wait in an exchange nobody
+joins (the retry happens on a new quorum, with a new epoch).
 
 ``reconfigure`` keeps a connection when the neighbour on that side is the same address and the
 socket is still healthy (steady state and a new epoch with unchanged neighbours reuse sockets; the
@@ -172,6 +176,9 @@ class FtarRing:
         self._graveyard: list[socket.socket] = []
         self._gen = 0
         self._halted: RecoverableFtarError | None = FtarAbortedError("ring not configured yet")
+        self._admitting = False
+        """Whether a HELLO of the current epoch is admitted: from ``_install`` on, until the
+        epoch fails (see the module docs)."""
         self._fatal: FatalFtarError | None = None
         self._closed = False
         self._pending = 0
@@ -275,6 +282,7 @@ class FtarRing:
             with self._lock:
                 if isinstance(exc, RecoverableFtarError) and self._gen == gen:
                     self._halted = exc
+                self._admitting = False
             log.warning("ftar reconfigure failed: %s", exc, extra=self._ctx())
             raise
         with self._lock:
@@ -329,6 +337,7 @@ class FtarRing:
                 return
             self._gen += 1
             self._halted = FtarAbortedError(reason)
+            self._admitting = False
             self._bury_conns()
             if self._connecting is not None:
                 conn.shutdown_quietly(self._connecting)
@@ -460,6 +469,7 @@ class FtarRing:
         self._out = self._out if keep_out else None
         self._topo = topo
         self._halted = FtarAbortedError("reconfigure in progress")
+        self._admitting = True
         parked, self._parked = self._parked, []
         for sock, hello, nonce in parked:
             if hello.epoch > topo.epoch:
@@ -487,6 +497,11 @@ class FtarRing:
             if ack.status == wire.AckStatus.STALE_EPOCH:
                 raise FtarEpochMismatchError(
                     f"right neighbour {topo.right} is at epoch {ack.epoch}, newer than {topo.epoch}"
+                )
+            if ack.status == wire.AckStatus.EPOCH_FAILED:
+                raise FtarEpochMismatchError(
+                    f"right neighbour {topo.right} gave up epoch {topo.epoch} (its exchange "
+                    "failed): the retry happens on a new quorum"
                 )
             if ack.status == wire.AckStatus.WRONG_PEER:
                 raise FatalFtarError(
@@ -623,6 +638,8 @@ class FtarRing:
             topo.size,
         ) or topo.size == 1:
             status = wire.AckStatus.WRONG_PEER
+        elif not self._admitting:
+            status = wire.AckStatus.EPOCH_FAILED
         else:
             status = wire.AckStatus.OK
         try:
@@ -729,6 +746,7 @@ class FtarRing:
                 exc = FtarAbortedError(f"{self._halted or 'aborted'} (while exchanging: {exc})")
             if isinstance(exc, FatalFtarError):
                 self._fatal = self._fatal or exc
+            self._admitting = False
             if self._halted is None:
                 self._halted = (
                     exc if isinstance(exc, RecoverableFtarError) else FtarAbortedError(str(exc))

@@ -62,6 +62,7 @@ class AckStatus(IntEnum):
     OK = 0
     STALE_EPOCH = 1  # the acceptor is at a newer epoch: the connector is stale
     WRONG_PEER = 2  # same epoch, but not the acceptor's expected left neighbour
+    EPOCH_FAILED = 3  # same epoch, but the acceptor's exchange in it failed: it will not retry it
 
 
 _PREFIX = struct.Struct(">4sHB")  # magic, version, kind
