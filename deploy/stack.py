@@ -24,6 +24,7 @@ from types import TracebackType
 from fthsdp.deploy.local_redis import LocalRedis
 from fthsdp.deploy.probe import http_ok
 from fthsdp.deploy.processes import ManagedProcess, ServiceSpec, free_port
+from fthsdp.services.common.private_dir import ensure_private_dir
 from fthsdp.services.common.tokens import load_token
 from fthsdp.services.quorum.client import QuorumClient
 from fthsdp.services.quorum.config import QuorumConfig
@@ -90,7 +91,7 @@ class Sidecar:
         )
 
     def start(self) -> None:
-        self.shm_dir.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.shm_dir)
         self.process.start()
 
     def wait_ready(self) -> None:

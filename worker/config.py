@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+from fthsdp.services.common.private_dir import default_shm_dir
 from fthsdp.services.common.tokens import load_token
 
 _ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -60,8 +61,9 @@ class ManagerConfig:
     """Base URL of this host's checkpoint sidecar (publishes snapshots, writes checkpoints)."""
     token: str = field(repr=False)
     """Bearer token for the quorum and checkpoint services; never logged (nor in `repr`)."""
-    shm_dir: str = "/dev/shm"
-    """Shared-memory directory of the checkpoint sidecar (snapshots are copied there)."""
+    shm_dir: str = field(default_factory=lambda: str(default_shm_dir()))
+    """Shared-memory directory of the checkpoint sidecar (snapshots are copied there); the
+    sidecar's default is `/dev/shm/fthsdp-<uid>`, private to the user."""
     quorum_timeout: timedelta = timedelta(seconds=60)
     """How long a leader waits for one quorum (covers the service's join timeout and retries)."""
     heartbeat_interval: timedelta = timedelta(milliseconds=200)

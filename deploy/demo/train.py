@@ -21,6 +21,7 @@ import torch
 from fthsdp.deploy.demo.corpus import CharDataset, CharWindows
 from fthsdp.deploy.demo.eventlog import EventLog
 from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
+from fthsdp.services.common.private_dir import default_shm_dir
 from fthsdp.services.common.tokens import load_token
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.faults import FaultPlan
@@ -60,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--checkpoint-url", required=True, help="this host's checkpoint sidecar URL")
     p.add_argument(
-        "--shm-dir", default="/dev/shm", help="shared-memory dir of the checkpoint sidecar"
+        "--shm-dir",
+        default=str(default_shm_dir()),
+        help="shared-memory dir of the checkpoint sidecar (default /dev/shm/fthsdp-<uid>)",
     )
     p.add_argument("--token-file", help="bearer token file (else FTHSDP_TOKEN/FTHSDP_TOKEN_FILE)")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step")

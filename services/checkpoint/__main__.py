@@ -32,7 +32,7 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], Callable[[Any], Any], str]] =
         "shm_dir",
         str,
         Path,
-        "directory publishers write snapshots to (default /dev/shm)",
+        "private directory publishers write snapshots to (default /dev/shm/fthsdp-<uid>)",
     ),
     ("--durable-dir", "durable_root", str, Path, "root of durable checkpoints and data positions"),
     (
@@ -132,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    url = server.start()
+    try:
+        url = server.start()
+    except ValueError as exc:  # an unsafe shm dir
+        print(f"fthsdp-checkpoint: {exc}", file=sys.stderr)
+        return 2
     print(f"fthsdp-checkpoint listening on {url}", flush=True)
     try:
         while not stop.wait(3600):

@@ -41,6 +41,7 @@ from fthsdp.services.checkpoint.client_manifest import (
     plan_layout,
 )
 from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.services.common.private_dir import default_shm_dir
 from fthsdp.services.common.tokens import Token
 
 __all__ = [
@@ -76,7 +77,8 @@ class SnapshotPublisher:
     layout, written through typed views over a mmap, no pickle — then registers the file name and
     layout with the sidecar, which owns the file from then on (checksums, serving, retention). It
     returns as soon as the sidecar has accepted the registration; checksums happen later, in the
-    sidecar's process. `shm_dir` must be the sidecar's configured shm dir."""
+    sidecar's process. `shm_dir` must be the sidecar's configured shm dir (default
+    `/dev/shm/fthsdp-<uid>`, as the sidecar's)."""
 
     def __init__(
         self,
@@ -86,14 +88,14 @@ class SnapshotPublisher:
         job: str,
         replica_id: str,
         rank: int,
-        shm_dir: str | os.PathLike[str] = "/dev/shm",
+        shm_dir: str | os.PathLike[str] | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.base_url = base_url
         self.job = check_id("job", job)
         self.replica_id = check_id("replica", replica_id)
         self.rank = check_rank(rank)
-        self.shm_dir = Path(shm_dir)
+        self.shm_dir = default_shm_dir() if shm_dir is None else Path(shm_dir)
         self.timeout = timeout
         self._token = _token(token)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+
+from fthsdp.services.common.private_dir import default_shm_dir
 
 MIB = 1 << 20
 
@@ -17,8 +19,10 @@ class CheckpointConfig:
     """Interface to bind; loopback unless told otherwise (ranks reach their own host's sidecar)."""
     port: int = 0
     """TCP port; 0 picks a free one (the server exposes the real address)."""
-    shm_dir: Path = Path("/dev/shm")
-    """Where publishers put snapshot files; registrations name plain files inside it only."""
+    shm_dir: Path = field(default_factory=default_shm_dir)
+    """Where publishers put snapshot files; registrations name plain files inside it only. It
+    must be private to this user: created with mode 0700 if missing, refused at start when it
+    belongs to another user or others may write to it (default `/dev/shm/fthsdp-<uid>`)."""
     durable_root: Path = Path("./fthsdp-checkpoints")
     """Root of durable checkpoints (`<root>/<job>/step-<step>/rank-<rank>/`) and data positions."""
     retain_snapshots: int = 2

@@ -3,7 +3,11 @@
 A registration names a plain file in the configured shm dir; the sidecar opens it without following
 links, checks its size against the declared layout, maps it read-only and queues the checksum job
 on its own threads, then answers at once. The snapshot is immutable from then on. Retention unlinks
-older files; a mapping still being served or persisted stays valid until its last user drops it."""
+older files; a mapping still being served or persisted stays valid until its last user drops it.
+
+The sidecar deletes only what it took ownership of: a file of this user with no other name (one
+link), held by one snapshot only (one file, one key), and at deletion still the same file (its
+inode) as the one adopted, so a name reused meanwhile is left alone."""
 
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,254}$")
 Key = tuple[str, str, int]
+FileId = tuple[int, int]
+"""(st_dev, st_ino): the adopted file itself, whatever its name points to later."""
 
 
 @dataclass(slots=True)
@@ -56,6 +62,7 @@ class Snapshot:
     meta: dict[str, str | int]
     chunk_bytes: int
     data: memoryview
+    file_id: FileId = (0, 0)
     checksums: Future[tuple[int, ...]] = field(default_factory=Future)
 
     def manifest(self, world_size: int | None = None) -> Manifest:
@@ -88,6 +95,8 @@ class SnapshotRegistry:
         self._lock = threading.Lock()
         self._snapshots: dict[Key, dict[int, Snapshot]] = {}
         self._collected_upto: dict[Key, int] = {}
+        self._owners: dict[FileId, tuple[Key, int]] = {}
+        """Adopted file -> the one snapshot (key, step) that holds it."""
         self._pool = ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="fthsdp-crc")
         self.collected = 0
 
@@ -106,7 +115,8 @@ class SnapshotRegistry:
         """Adopts the shm file as snapshot `step`; returns it and whether it is new.
 
         Registering the same file again is a no-op (a retried request); another file for a
-        published step is a ConflictError, a step older than those retained a GoneError."""
+        published step, or a file another snapshot holds, is a ConflictError; a step older than
+        those retained a GoneError."""
         key = (check_id("job", job), check_id("replica", replica), check_rank(rank))
         check_step(step)
         layout = Layout(tuple(tensors), total_bytes)
@@ -120,16 +130,26 @@ class SnapshotRegistry:
                 raise ConflictError(f"step {step} of {key} is already published (immutable)")
             if step <= self._collected_upto.get(key, -1):
                 raise GoneError(f"step {step} of {key} is older than the retained snapshots")
-        data = self._map(file, total_bytes)
-        snap = Snapshot(*key, step, file, layout, clean_meta, self.config.chunk_bytes, data)
+        data, file_id = self._map(file, total_bytes)
+        snap = Snapshot(
+            *key, step, file, layout, clean_meta, self.config.chunk_bytes, data, file_id
+        )
         with self._lock:
             steps = self._snapshots.setdefault(key, {})
             if step in steps:
                 raise ConflictError(f"step {step} of {key} is already published (immutable)")
+            holder = self._owners.get(file_id)
+            if holder is not None:
+                raise ConflictError(
+                    f"{file!r} is already step {holder[1]} of {holder[0]}: one file holds one "
+                    "snapshot"
+                )
             steps[step] = snap
+            self._owners[file_id] = (key, step)
             doomed = [steps.pop(s) for s in steps_to_collect(steps, self.config.retain_snapshots)]
             for old in doomed:
                 self._collected_upto[key] = max(self._collected_upto.get(key, -1), old.step)
+                self._owners.pop(old.file_id, None)
         for old in doomed:
             self._unlink(old)
         if snap in doomed:
@@ -137,7 +157,7 @@ class SnapshotRegistry:
         self._pool.submit(self._checksum, snap)
         return snap, True
 
-    def _map(self, file: str, total_bytes: int) -> memoryview:
+    def _map(self, file: str, total_bytes: int) -> tuple[memoryview, FileId]:
         if not _FILE.match(file) or ".." in file:
             raise InvalidArgumentError("file must be a plain file name inside the shm dir")
         try:
@@ -152,15 +172,23 @@ class SnapshotRegistry:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidArgumentError(f"{file!r} is not a regular file")
+            if info.st_uid != os.getuid() or info.st_nlink != 1:
+                # Adopting means deleting it later: only a publisher's own file, with no other
+                # name that would keep (or be) something else.
+                raise InvalidArgumentError(
+                    f"{file!r} is not a publisher's file: it must belong to this user and have "
+                    "exactly one name"
+                )
             if info.st_size != total_bytes:
                 raise InvalidArgumentError(
                     f"{file!r} has {info.st_size} bytes, the layout declares {total_bytes}"
                 )
+            file_id = (info.st_dev, info.st_ino)
             if total_bytes == 0:
-                return memoryview(b"")
+                return memoryview(b""), file_id
             # No MAP_POPULATE here: faulting pages in would delay the registration answer; the
             # checksum pass touches every page anyway, off the publisher's path.
-            return memoryview(mmap.mmap(fd, total_bytes, access=mmap.ACCESS_READ))
+            return memoryview(mmap.mmap(fd, total_bytes, access=mmap.ACCESS_READ)), file_id
         finally:
             os.close(fd)
 
@@ -177,8 +205,13 @@ class SnapshotRegistry:
 
     def _unlink(self, snap: Snapshot) -> None:
         self.collected += 1
+        path = self.config.shm_dir / snap.file
         try:
-            os.unlink(self.config.shm_dir / snap.file)
+            info = os.lstat(path)
+            if (info.st_dev, info.st_ino) != snap.file_id:
+                log.warning("snapshot file %s was replaced meanwhile: left alone", snap.file)
+                return
+            os.unlink(path)
         except FileNotFoundError:
             log.warning("snapshot file %s was already gone", snap.file)
 
@@ -205,6 +238,7 @@ class SnapshotRegistry:
         with self._lock:
             snaps = [s for steps in self._snapshots.values() for s in steps.values()]
             self._snapshots.clear()
+            self._owners.clear()
         for snap in snaps:
             if not snap.checksums.done():
                 snap.checksums.cancel()

@@ -5,8 +5,11 @@ dependency beyond prometheus_client."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -19,6 +22,61 @@ _SHUTDOWN_POLL_S = 0.1  # how often serve_forever checks for shutdown: bounds st
 CLIENT_TIMEOUT_S = 5.0
 """A connection silent this long mid-request is closed (its thread with it): a probe or a scrape
 sends its request at once, a slow-loris client would hold a thread each for ever."""
+MAX_CONNECTIONS = 32
+"""Connections served at once (a thread each); more are closed on arrival. Probes and scrapes
+are a handful; hundreds of idle connections took as many threads."""
+CONNECTION_LIFETIME_S = 10.0
+"""A connection is cut this long after it was accepted, whatever it is doing: one that sends a
+byte just before each read timeout would otherwise keep its thread."""
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """At most MAX_CONNECTIONS handler threads; each connection cut CONNECTION_LIFETIME_S after
+    it was accepted, by the serving thread itself (`service_actions` runs every poll)."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst is accepted, not SYN-retried
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._deadlines[request] = time.monotonic() + CONNECTION_LIFETIME_S
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(request, None)
+        self._slots.release()
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
+        for sock in overdue:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it then releases
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone mid-answer (or cut off by the lifetime bound): not worth a traceback.
+        log.debug("admin connection from %s failed", client_address, exc_info=True)
 
 
 class AdminServer:
@@ -36,8 +94,7 @@ class AdminServer:
         self._name = name
         self._registry = registry
         self._ready = ready
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
 
     @property

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.http_limits import MAX_HEADER_BYTES, BoundedH11Protocol
 from fthsdp.services.common.parse import ascii_int
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
@@ -56,8 +57,6 @@ log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 64 * 1024
-MAX_HEADER_BYTES = 64 * 1024
-"""The request line and headers together (h11 answers 431 beyond it)."""
 _OPEN_PATHS = frozenset({"/livez", "/readyz", "/", "/dashboard", "/openapi.json", "/docs"})
 
 ERROR_STATUS: dict[type[HealthError], int] = {
@@ -334,8 +333,9 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             ws="none",
-            # h11, for its bound on an incomplete request: a 64 MiB header was read in full.
-            http="h11",
+            # h11, for its bound on an incomplete request (a 64 MiB header was read in full),
+            # plus a deadline on the request head.
+            http=BoundedH11Protocol,
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             timeout_graceful_shutdown=max(math.ceil(grace), 1),
         )

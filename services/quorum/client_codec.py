@@ -18,6 +18,7 @@ from fthsdp.services.quorum.client_types import (
     InvalidRequestError,
     Member,
     MembershipEvent,
+    MembershipTooLargeError,
     MemberStatus,
     Quorum,
     QuorumError,
@@ -40,6 +41,7 @@ _KIND_TO_ERROR: dict[str, type[QuorumError]] = {
     "stale_incarnation": StaleIncarnationError,
     "unknown_replica": UnknownReplicaError,
     "world_size_mismatch": WorldSizeMismatchError,
+    "membership_too_large": MembershipTooLargeError,
     "superseded": SupersededRequestError,
 }
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[QuorumError]] = {

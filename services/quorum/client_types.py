@@ -197,6 +197,11 @@ class WorldSizeMismatchError(QuorumError):
     """The joining replica's world size differs from the current members' (FAILED_PRECONDITION)."""
 
 
+class MembershipTooLargeError(QuorumError):
+    """Admitting the joining replica would make the membership's endpoints too large for the
+    answers that carry them (Quorum, Status) to fit in one message (gRPC RESOURCE_EXHAUSTED)."""
+
+
 class AuthError(QuorumError):
     """The request carried no valid bearer token (gRPC UNAUTHENTICATED)."""
 

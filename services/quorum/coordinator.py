@@ -26,6 +26,7 @@ from fthsdp.services.quorum import core
 from fthsdp.services.quorum.client_types import (
     EventKind,
     MembershipEvent,
+    MembershipTooLargeError,
     MemberStatus,
     QuorumSummary,
     RankEndpoint,
@@ -194,10 +195,10 @@ class Coordinator:
         core.check_id(replica_id)
         endpoints = core.check_ranks(world_size, ranks)
         self._ensure_open()
-        self._check_world_size(replica_id, world_size)
+        self._check_admission(replica_id, world_size, endpoints)
         incarnation = await self._store.next_incarnation(replica_id)
         self._ensure_open()
-        self._check_world_size(replica_id, world_size)  # again: the store may have suspended
+        self._check_admission(replica_id, world_size, endpoints)  # the store may have suspended
         now = self._clock()
         reg = Registration(
             replica_id=replica_id, incarnation=incarnation, world_size=world_size, ranks=endpoints
@@ -514,6 +515,24 @@ class Coordinator:
             },
         )
         self._emit(kind, rid, reason, incarnation=reg.incarnation, teardown=teardown)
+
+    def _check_admission(
+        self, replica_id: str, world_size: int, endpoints: Sequence[RankEndpoint]
+    ) -> None:
+        self._check_world_size(replica_id, world_size)
+        # Every answer listing the membership must still fit in one message, or a round forms
+        # and nobody learns it. O(registered ranks), once per Join.
+        total = core.membership_bytes(endpoints) + sum(
+            core.membership_bytes(reg.ranks)
+            for rid, reg in self._state.registered.items()
+            if rid != replica_id
+        )
+        if total > core.MAX_MEMBERSHIP_BYTES:
+            raise MembershipTooLargeError(
+                f"admitting {replica_id} would bring the members' endpoints to {total} bytes, "
+                f"over the {core.MAX_MEMBERSHIP_BYTES} that one answer can carry: use shorter "
+                "addresses or fewer ranks per replica"
+            )
 
     def _check_world_size(self, replica_id: str, world_size: int) -> None:
         other = next(

@@ -35,6 +35,11 @@ MAX_ID_CHARS = 128
 MAX_WORLD_SIZE = 4096
 MAX_ADDRESS_CHARS = 256
 MAX_REASON_CHARS = 1024
+MAX_MEMBERSHIP_BYTES = 56 * 1024 * 1024
+"""Budget of all registered replicas' endpoints in one answer (Quorum, Status): the messages
+are capped at 64 MiB, and the rest of an answer is far below the 8 MiB left."""
+_RANK_OVERHEAD = 12  # protobuf tags and lengths of one RankEndpoint inside a member
+_MEMBER_OVERHEAD = 64 + MAX_ID_CHARS  # a member's id, incarnation, step and framing
 
 
 # ---- domain records -------------------------------------------------------------------------
@@ -155,6 +160,13 @@ def check_ranks(world_size: int, ranks: Sequence[RankEndpoint]) -> tuple[RankEnd
         _check_ftar(rank, endpoint.ftar)
         _check_url(rank, endpoint.checkpoint)
     return tuple(ranks)
+
+
+def membership_bytes(ranks: Sequence[RankEndpoint]) -> int:
+    """An upper bound of one replica's share of every answer that lists the membership."""
+    return _MEMBER_OVERHEAD + sum(
+        len(r.ftar.encode()) + len(r.checkpoint.encode()) + _RANK_OVERHEAD for r in ranks
+    )
 
 
 def _check_ftar(rank: int, address: str) -> None:

@@ -30,6 +30,7 @@ from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client_types import (
     InternalError,
     InvalidRequestError,
+    MembershipTooLargeError,
     QuorumError,
     StaleIncarnationError,
     SupersededRequestError,
@@ -59,6 +60,7 @@ ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
     UnknownReplicaError: (grpc.StatusCode.FAILED_PRECONDITION, "unknown_replica"),
     StaleIncarnationError: (grpc.StatusCode.FAILED_PRECONDITION, "stale_incarnation"),
     WorldSizeMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, "world_size_mismatch"),
+    MembershipTooLargeError: (grpc.StatusCode.RESOURCE_EXHAUSTED, "membership_too_large"),
     SupersededRequestError: (grpc.StatusCode.ABORTED, "superseded"),
     ShuttingDownError: (grpc.StatusCode.UNAVAILABLE, "shutting_down"),
     NotLeaderError: (grpc.StatusCode.UNAVAILABLE, "not_leader"),

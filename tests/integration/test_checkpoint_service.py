@@ -149,6 +149,58 @@ def test_snapshot_retention_unlinks_old_files(sidecars: Start, token: str) -> No
     assert list(server.config.shm_dir.iterdir()) == []  # the sidecar unlinks what it owns
 
 
+def test_retention_deletes_only_files_the_sidecar_owns(sidecars: Start, token: str) -> None:
+    """One file holds one snapshot, only a publisher's own file is adopted, and a name reused
+    after adoption is not deleted by retention (issue: retention unlinked a file no publisher
+    wrote, and a file registered under two keys was deleted while the second still used it)."""
+    server = sidecars(retain_snapshots=1)
+    shm = server.config.shm_dir
+    entry = {"name": "a", "dtype": "float32", "shape": [16], "offset": 0, "nbytes": 64}
+    auth = {"authorization": f"Bearer {token}"}
+    (shm / "shared.snap").write_bytes(bytes(64))
+    (shm / "target.snap").write_bytes(bytes(64))
+    os.link(shm / "target.snap", shm / "alias.snap")  # a second name of another file
+    with httpx.Client(base_url=server.url, headers=auth) as http:
+
+        def register(replica: str, step: int, file: str) -> httpx.Response:
+            body = {"file": file, "total_bytes": 64, "tensors": [entry], "meta": {}}
+            return http.post(f"/v1/snapshots/{JOB}/{replica}/0/{step}", json=body)
+
+        assert register("r0", 1, "shared.snap").status_code == 201
+        second = register("r1", 1, "shared.snap")
+        assert second.status_code == 409, second.text
+        assert "one file holds one snapshot" in second.json()["detail"]
+        assert register("r0", 2, "shared.snap").status_code == 409  # nor two steps of one key
+        linked = register("r2", 1, "alias.snap")
+        assert linked.status_code == 400 and "exactly one name" in linked.json()["detail"]
+        # The publisher's name now points at a file the sidecar never adopted: retention of
+        # step 1 (pushed out by step 2) must leave that file alone.
+        os.replace(shm / "target.snap", shm / "shared.snap")
+        (shm / "next.snap").write_bytes(bytes(64))
+        assert register("r0", 2, "next.snap").status_code == 201
+    assert list_snapshots(server.url, token, job=JOB, replica="r0", rank=0) == [2]
+    assert (shm / "shared.snap").exists() and (shm / "alias.snap").exists()
+    server.stop()
+    assert not (shm / "next.snap").exists()  # what it owned is gone at stop
+    assert (shm / "shared.snap").exists()
+
+
+def test_the_shm_dir_is_private(sidecars: Start, token: str, tmp_path: Path) -> None:
+    """Created with mode 0700; one that others may write to is refused at start (anyone who can
+    write there could hand the sidecar files to adopt and delete)."""
+    server = sidecars()
+    assert server.config.shm_dir.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ValueError, match="writable by other users"):
+        sidecars(shm_dir=shared)
+    link = tmp_path / "link"
+    link.symlink_to(server.config.shm_dir)
+    with pytest.raises(ValueError, match="not a link"):
+        sidecars(shm_dir=link)
+
+
 def test_auth_is_required_on_the_api_only(sidecars: Start, token: str) -> None:
     server = sidecars()
     path = f"/v1/snapshots/{JOB}/r0/0"

@@ -12,17 +12,24 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
+from fthsdp.services.checkpoint.server import CheckpointServer
+from fthsdp.services.common import admin, http_limits
 from fthsdp.services.common.admin import CLIENT_TIMEOUT_S
 from fthsdp.services.quorum.client import AsyncQuorumClient, InvalidRequestError, RankEndpoint
 from tests.integration.conftest import QuorumServerFactory
 from tests.integration.health_support import NodeFactory, health_nodes
+from tests.integration.test_checkpoint_support import sidecars
+
+__all__ = ["sidecars"]  # a fixture
 
 GARBAGE = b"\xff\xff\xff\xff\x0f not a protobuf"
 
@@ -218,3 +225,123 @@ async def test_the_admin_port_drops_a_silent_half_request(
             return _drain(sock, CLIENT_TIMEOUT_S + 10.0)
 
     assert await asyncio.to_thread(send) == b""  # closed by the server, not our timeout
+
+
+def _trickle(url: str, seconds: float) -> bool:
+    """Sends a request head one byte at a time for up to `seconds`; whether the server closed
+    the connection meanwhile."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=seconds) as sock:
+        sock.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n")
+        sock.settimeout(0.1)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(b"x")
+                if sock.recv(1) == b"":
+                    return True
+            except TimeoutError:
+                continue
+            except OSError:  # reset: closed
+                return True
+    return False
+
+
+@pytest.fixture
+def short_head_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 0.5)
+
+
+@pytest.mark.usefixtures("short_head_deadline")
+async def test_a_trickling_request_head_is_cut_off_on_every_http_server(
+    make_node: NodeFactory, sidecars: Callable[..., CheckpointServer]
+) -> None:
+    """Slow-loris: one byte at a time kept a connection (and on the admin port a thread) for
+    ever. The head must now be complete within the head deadline; normal requests still work."""
+    node = await make_node()
+    sidecar = sidecars()
+    for url in (node.http_url or "", sidecar.url):
+        assert await asyncio.to_thread(_trickle, url, 8.0), url
+        answer = await asyncio.to_thread(_request, url, b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), (url, answer[:80])
+
+
+def _request(url: str, request: bytes) -> bytes:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        return sock.recv(65536)
+
+
+def test_the_checkpoint_sidecar_refuses_a_huge_header_unread(
+    sidecars: Callable[..., CheckpointServer],
+) -> None:
+    """httptools read a 64 MiB header on /livez (no token needed) in full before answering."""
+    host, port = sidecars().url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\nx-junk: ")
+        sent = 0
+        with contextlib.suppress(OSError):  # the server may close while we still send
+            for _ in range(64):
+                sock.sendall(b"a" * (1 << 20))
+                sent += 1
+        answer = _drain(sock, 10.0)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:80]
+    assert sent < 64 or answer.startswith(b"HTTP/1.1 431")
+
+
+async def test_the_admin_port_bounds_its_threads_and_cuts_trickling_clients(
+    make_quorum_server: QuorumServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """200 idle connections took 207 threads; one byte before each read timeout kept a thread
+    for ever. Now at most MAX_CONNECTIONS are served at once, each for a bounded time."""
+    server = await make_quorum_server()
+    assert server.admin_address is not None
+    url = f"http://{server.admin_address}"
+    host, port = server.admin_address.rsplit(":", 1)
+    before = threading.active_count()
+    monkeypatch.setattr(admin, "CONNECTION_LIFETIME_S", 30.0)  # the idle ones keep their slot
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
+    try:
+        # Those past the bound are closed on arrival; once that many were, every one of the
+        # 100 has been accepted, and the threads are what the bound allows.
+        closed = await asyncio.to_thread(_closed_by_server, idle, 100 - admin.MAX_CONNECTIONS)
+        assert closed >= 100 - admin.MAX_CONNECTIONS, closed
+        grown = threading.active_count() - before
+        assert grown <= admin.MAX_CONNECTIONS + 2, grown
+    finally:
+        for sock in idle:
+            sock.close()
+    monkeypatch.setattr(admin, "CONNECTION_LIFETIME_S", 0.5)
+    assert await asyncio.to_thread(_trickle, url, 8.0)
+
+    def answered() -> bytes:
+        deadline = time.monotonic() + 10
+        while True:
+            answer = _request(url, b"GET /livez HTTP/1.0\r\n\r\n")
+            if answer.startswith(b"HTTP/1.0 200") or time.monotonic() > deadline:
+                return answer
+            time.sleep(0.05)  # a freed slot: poll until one is
+
+    assert (await asyncio.to_thread(answered)).startswith(b"HTTP/1.0 200")
+
+
+def _closed_by_server(socks: list[socket.socket], wanted: int) -> int:
+    """How many of `socks` the server closed, polling until `wanted` were (10 s at most)."""
+    closed: set[int] = set()
+    for sock in socks:
+        sock.setblocking(False)  # a probe must not wait out the socket's timeout
+    deadline = time.monotonic() + 10
+    while len(closed) < wanted and time.monotonic() < deadline:
+        for i, sock in enumerate(socks):
+            if i in closed:
+                continue
+            try:
+                if sock.recv(1) == b"":
+                    closed.add(i)
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed.add(i)
+        time.sleep(0.02)
+    return len(closed)

@@ -28,6 +28,7 @@ from fthsdp.services.quorum.client import (
     AuthError,
     InternalError,
     InvalidRequestError,
+    MembershipTooLargeError,
     QuorumClient,
     QuorumTimeoutError,
     QuorumUnavailableError,
@@ -345,3 +346,33 @@ def test_command_line_refuses_to_start_without_a_token() -> None:
     )
     assert result.returncode == 2
     assert "token" in result.stderr
+
+
+async def test_a_membership_too_large_to_answer_is_refused_at_join(
+    make_quorum_server: Callable[..., Awaitable[QuorumServer]], token: str
+) -> None:
+    """Replicas of 4,096 ranks with 256-character addresses are each within every per-field
+    limit, yet 36 of them made every Quorum and Status answer exceed the 64 MiB message cap (the
+    round formed, and nobody learned it). Join now refuses the replica that would overflow, and
+    the answers for the admitted ones still arrive."""
+    host = "h" * (256 - len(":29500"))
+    ranks = [
+        RankEndpoint(ftar=f"{host}:29500", checkpoint="http://" + "c" * 249) for _ in range(4096)
+    ]
+    # Members that never beat stay registered for the whole test.
+    quorum_server = await make_quorum_server(heartbeat_timeout=timedelta(minutes=5))
+    async with AsyncQuorumClient(quorum_server.address, token) as client:
+        refused: list[MembershipTooLargeError] = []
+        admitted = 0
+        while admitted < 36 and not refused:
+            try:
+                await client.join(f"r{admitted:02d}", ranks)
+                admitted += 1
+            except MembershipTooLargeError as exc:
+                refused.append(exc)
+        assert 20 <= admitted < 36, admitted
+        assert "one answer can carry" in str(refused[0])
+        status = await client.status()
+        assert len(status.members) == admitted
+        # A rejoin of an admitted replica (its endpoints replace its own) is still allowed.
+        await client.join("r00", ranks)
