@@ -47,8 +47,9 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--kill-mode", choices=KILL_MODES, default="process",
         help="process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one "
-        "rank; quorum: restart the quorum service, or SIGKILL its leader with --redis "
-        "(default process)",
+        "rank; quorum: restart the quorum service, or SIGKILL its leader with --redis; store: "
+        "SIGKILL the redis-server (with --redis) for --store-down seconds; store-replica: "
+        "that, and a whole replica 2 s later (default process)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seeds failures and model init (default 0)")
     p.add_argument(
@@ -127,6 +128,11 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="seconds a collective may stay open before the health service calls it a hang "
         "(default 3)",
     )  # fmt: skip
+    p.add_argument(
+        "--store-down", type=_positive_seconds, default=timedelta(seconds=10),
+        help="--kill-mode store: seconds the killed redis-server stays down before it is "
+        "restarted (default 10)",
+    )  # fmt: skip
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -156,6 +162,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         health=not args.no_health,
         on_failure=args.on_failure,
         hang_timeout=args.hang_timeout,
+        store_down=args.store_down,
     )
     report = run_demo(config)
     if args.report:

@@ -66,6 +66,10 @@ class LocalRedis:
                 raise TimeoutError("redis-server did not answer PING in time")
             time.sleep(0.02)
 
+    def running(self) -> bool:
+        """Whether the process is up (started and not exited)."""
+        return self._process is not None and self._process.poll() is None
+
     def _answers(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:

@@ -131,6 +131,10 @@ class LocalStack:
             min_replicas=min_replicas,
         )
         self._embedded: QuorumServerThread | None = None
+        self._store_back_at = 0.0
+        """Monotonic time before which a dead redis-server is left down (an injected outage)."""
+        self.store_up_since = 0.0
+        """Monotonic time the redis-server was last restarted by `supervise` (0: never)."""
         self._redis = (
             LocalRedis(run_dir / "redis", password=secrets.token_hex(16)) if redis else None
         )
@@ -251,6 +255,35 @@ class LocalStack:
         leader.start()
         _wait(leader.spec.live, [leader], f"{leader.name} (restarted)")
 
+    # ---- the store ----------------------------------------------------------------------------
+
+    def kill_store(self, down: timedelta) -> None:
+        """SIGKILLs the redis-server; `supervise` restarts it once `down` has passed."""
+        if self._redis is None:
+            raise RuntimeError("no store to kill: the stack runs without Redis")
+        self._redis.kill()
+        self._store_back_at = time.monotonic() + down.total_seconds()
+        log.warning("redis-server killed; back in %.1f s", down.total_seconds())
+
+    def store_down(self) -> bool:
+        """Whether the redis-server is down right now (killed, or died and not back yet)."""
+        return self._redis is not None and not self._redis.running()
+
+    def supervise(self) -> None:
+        """One tick of supervision: a redis-server that died (or was killed and is due) is
+        started again on its port, with its append-only file."""
+        redis = self._redis
+        if redis is None or redis.running() or time.monotonic() < self._store_back_at:
+            return
+        try:
+            redis.start()
+        except (RuntimeError, TimeoutError) as exc:
+            log.warning("redis-server did not come back: %s", exc)
+            self._store_back_at = time.monotonic() + 1.0
+            return
+        self.store_up_since = time.monotonic()
+        log.warning("redis-server restarted")
+
     def stop_quorum(self) -> None:
         if self._embedded is not None:
             self._embedded.stop()
@@ -258,12 +291,15 @@ class LocalStack:
         _stop(self._quorum_processes)
         self._quorum_processes.clear()
 
-    def quorum_client(self) -> QuorumClient:
-        return QuorumClient(self.quorum_address, self._token.value)
+    def quorum_client(self, *, connect_timeout: timedelta = timedelta(seconds=30)) -> QuorumClient:
+        """A client of the quorum service; `connect_timeout` bounds how long a call retries
+        while no instance answers as leader."""
+        return QuorumClient(self.quorum_address, self._token.value, connect_timeout=connect_timeout)
 
     def report_failure(self, replica_id: str, reason: str) -> None:
-        """Evicts a replica at once (the supervisor saw its process die)."""
-        client = self.quorum_client()
+        """Evicts a replica at once (the supervisor saw its process die); without a leader
+        right now, its heartbeat timeout evicts it later."""
+        client = self.quorum_client(connect_timeout=timedelta(seconds=2))
         try:
             client.report_failure(replica_id, reason, reporter="supervisor")
         except Exception as exc:  # the heartbeat timeout evicts it anyway

@@ -19,14 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.report import CommitEvent, JsonlTail
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
 from fthsdp.deploy.stack import LocalStack
 from fthsdp.services.health.client_http import HealthClient
 from fthsdp.services.health.config import FAILURE_ACTIONS
-from fthsdp.services.quorum.client import QuorumClient
+from fthsdp.services.quorum.client import QuorumClient, QuorumUnavailableError
 from fthsdp.worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
+_POLL_BUDGET = timedelta(seconds=1)
+"""How long one status poll of the driver retries while no instance answers as leader: the
+driver's loop must keep supervising (and restarting a dead store) meanwhile."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +94,9 @@ class DemoConfig:
     hang_timeout: timedelta = timedelta(seconds=3)
     """A collective open this long is a hang (the health service's `--hang-timeout-ms`); the
     demo's steps take tens of milliseconds, so 3 s is far above a healthy one."""
+    store_down: timedelta = timedelta(seconds=10)
+    """`kill_mode="store"`: how long the killed redis-server stays down before the stack's
+    supervision brings it back (with its append-only file)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
@@ -100,6 +107,10 @@ class DemoConfig:
             raise ValueError("overlap_backward is not supported with fsdp")
         if self.kill_mode not in KILL_MODES:
             raise ValueError(f"kill_mode must be one of {KILL_MODES}")
+        if self.kill_mode.startswith("store") and not self.redis:
+            raise ValueError(f"kill_mode {self.kill_mode!r} needs redis (the store is redis)")
+        if self.store_down < timedelta(0):
+            raise ValueError("store_down must not be negative")
         if self.duration <= timedelta(0):
             raise ValueError("duration must be positive")
         if self.kill_every is not None and self.kill_every <= timedelta(0):
@@ -289,6 +300,17 @@ def _health_incidents(stack: LocalStack, token_file: Path) -> list[dict[str, Any
     return list(reversed(found))
 
 
+def _max_committed(run_dir: Path) -> int:
+    """The highest step any replica's log shows committed (0 before any)."""
+    steps = [
+        event.step
+        for path in sorted((run_dir / "replicas").glob("*.jsonl"))
+        for event in JsonlTail(path, strict=False).poll()
+        if isinstance(event, CommitEvent)
+    ]
+    return max(steps, default=0)
+
+
 class _Driver:
     """The launcher's main loop: supervise, inject on schedule, then settle and stop."""
 
@@ -303,14 +325,17 @@ class _Driver:
         self.stack = stack
         self.supervisor = supervisor
         self.quorum = quorum
+        self._replica_kill_at = float("inf")
+        """`store-replica`: when to kill a replica while the store is down."""
         self._next_poll = 0.0
 
     def supervise(self) -> None:
         """One tick: poll the quorum, replace evicted replicas, reap and restart processes."""
+        self.stack.supervise()
         now = time.monotonic()
         if now >= self._next_poll:
             self._next_poll = now + 0.25
-            client = self.stack.quorum_client()
+            client = self.stack.quorum_client(connect_timeout=_POLL_BUDGET)
             try:
                 self.quorum.observe(client)
             except Exception as exc:  # the service may be restarting
@@ -347,6 +372,8 @@ class _Driver:
         while time.monotonic() < end:
             self.supervise()
             now = time.monotonic()
+            if now >= self._replica_kill_at and self._kill_replica(rng):
+                self._replica_kill_at = float("inf")
             # A failure that is due but not allowed yet is tried again at the next tick.
             if now >= next_kill and (now >= last_kill or self._inject(rng)):
                 next_kill = now + (period or float("inf"))
@@ -358,6 +385,20 @@ class _Driver:
             self.supervisor.events.write("inject", replica=None, mode="quorum", rank=None)
             self.stack.restart_quorum()
             return True
+        if self.config.kill_mode in ("store", "store-replica"):
+            period = (self.config.kill_every or timedelta(0)).total_seconds()
+            if self.stack.store_down() or time.monotonic() < self.stack.store_up_since + period:
+                return False  # one outage at a time, each a full period after the last one
+            self.supervisor.events.write("inject", replica=None, mode="store", rank=None)
+            self.stack.kill_store(self.config.store_down)
+            if self.config.kill_mode == "store-replica":
+                self._replica_kill_at = time.monotonic() + min(
+                    2.0, self.config.store_down.total_seconds() / 2
+                )
+            return True
+        return self._kill_replica(rng, self.config.kill_mode)
+
+    def _kill_replica(self, rng: random.Random, mode: str = "replica") -> bool:
         # Only replicas in the current quorum that are up: one that has not joined yet would
         # never be evicted (nobody knows it), and a hang of it would go unnoticed. And never
         # below the quorum floor: the job would then stop by design (I6), which measures the
@@ -365,7 +406,7 @@ class _Driver:
         healthy = set(self.quorum.healthy)
         if len(self.supervisor.breakable(healthy)) - 1 < self.config.quorum_floor:
             return False
-        return self.supervisor.inject(self.config.kill_mode, rng, eligible=healthy) is not None
+        return self.supervisor.inject(mode, rng, eligible=healthy) is not None
 
     def settle(self, run_dir: Path) -> None:
         """Waits until every replica is healthy, then has all of them stop at one agreed step."""
@@ -374,14 +415,23 @@ class _Driver:
         while time.monotonic() < deadline and set(self.quorum.healthy) != everyone:
             self.supervise()
             time.sleep(0.05)
-        # A fresh read, plus a margin that outruns the write of stop.json at any step rate:
-        # every replica must still be below stop_at when it first sees the file.
-        client = self.stack.quorum_client()
-        try:
-            self.quorum.observe(client)
-        finally:
-            client.close()
-        stop_at = self.quorum.max_step + 50
+        # A fresh read (retried while the service cannot answer, e.g. during a store outage,
+        # when the view above is stale), plus a margin that outruns the write of stop.json at
+        # any step rate: every replica must still be below stop_at when it first sees the file.
+        while True:
+            client = self.stack.quorum_client(connect_timeout=_POLL_BUDGET)
+            try:
+                self.quorum.observe(client)
+                break
+            except QuorumUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                self.supervise()
+            finally:
+                client.close()
+        # The replicas' own logs as a floor: after a store outage the service's newest record
+        # can be older than the steps trained meanwhile on the previous quorum.
+        stop_at = max(self.quorum.max_step, _max_committed(run_dir)) + 50
         # Atomic: a rank must never read a half-written file (it would train past stop_at
         # alone, waiting for a quorum that never comes).
         staging = run_dir / "stop.json.tmp"

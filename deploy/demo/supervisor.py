@@ -26,9 +26,11 @@ RESTART_POLICIES = ("replica", "job")
 """replica: only the failed replica restarts (FT-HSDP); job: every replica restarts from the last
 durable checkpoint on any failure (the synchronous-training baseline)."""
 
-KILL_MODES = ("process", "replica", "hang", "quorum")
+KILL_MODES = ("process", "replica", "hang", "quorum", "store", "store-replica")
 """process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one rank (a hung
-GPU or NCCL call as the host sees it); quorum: restart the (in-memory) quorum service."""
+GPU or NCCL call as the host sees it); quorum: restart the (in-memory) quorum service; store:
+SIGKILL the redis-server (with Redis), which stays down for a while and then comes back;
+store-replica: that, and a whole replica SIGKILLed while the store is down."""
 
 
 @dataclass(slots=True)

@@ -38,7 +38,11 @@ from fthsdp.services.quorum.client_types import (
 )
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
-from fthsdp.services.quorum.errors import InternalError, NotLeaderError, ShuttingDownError
+from fthsdp.services.quorum.errors import (
+    NotLeaderError,
+    ShuttingDownError,
+    StoreUnavailableError,
+)
 from fthsdp.services.quorum.metrics import QuorumMetrics
 from fthsdp.services.quorum.store import QuorumStore
 
@@ -142,6 +146,10 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._store_lock = asyncio.Lock()
         self._closing = False
+        self._unsaved: int | None = None
+        """A new quorum id applied here but not persisted (the store was down): not answered
+        until a later round persists it."""
+        self._store_down_logged = False
         self.round_timings: deque[RoundTiming] = deque(maxlen=4096)
         """Recent server-side round latencies (benchmarks read them)."""
 
@@ -312,7 +320,12 @@ class Coordinator:
             )
             for reg in sorted(state.registered.values(), key=lambda r: r.replica_id)
         )
-        records = await self._store.history(history_limit)
+        try:
+            records = await self._store.history(history_limit)
+        except NotLeaderError:
+            raise
+        except Exception as exc:  # the history lives in the store: a client may ask another
+            raise StoreUnavailableError(f"cannot read the quorum history: {exc}") from exc
         return StatusSnapshot(
             quorum_id=state.last_quorum_id,
             round=state.rounds,
@@ -382,22 +395,33 @@ class Coordinator:
         self._spawn(self._publish(formation, waiters, new_epoch))
 
     async def _publish(self, formation: Formation, waiters: list[_Waiter], new_epoch: bool) -> None:
-        """Persists the epoch (I3: never answer with an id the store could lose), then answers."""
+        """Persists the round, then answers. A new epoch is answered only once persisted (I3:
+        never an id the store could lose); a round that keeps the epoch and the membership is
+        answered even when the store is down (it decides nothing a later leader could
+        contradict), so training goes on through a store outage."""
+        quorum_id = formation.record.quorum_id
+        must_persist = new_epoch or quorum_id == self._unsaved
         try:
             async with self._store_lock:
                 await self._store.save_quorum(formation.record)
-        except Exception as exc:
-            log.exception("could not persist quorum %d", formation.record.quorum_id)
-            # A fenced (deposed) leader's callers must fail over, not see an internal error.
-            error = (
-                exc
-                if isinstance(exc, NotLeaderError)
-                else InternalError("could not persist the quorum")
-            )
-            for waiter in waiters:
-                if not waiter.future.done():
-                    waiter.future.set_exception(error)
+        except NotLeaderError as exc:  # fenced: the callers must fail over
+            self._fail_waiters(waiters, exc)
             return
+        except Exception as exc:
+            if must_persist:
+                self._unsaved = quorum_id
+                log.warning("could not persist new quorum %d: %s", quorum_id, exc)
+                self._fail_waiters(
+                    waiters, StoreUnavailableError(f"cannot persist quorum {quorum_id}: {exc}")
+                )
+                return
+            if not self._store_down_logged:
+                log.warning("store unavailable; answering quorum %d unpersisted", quorum_id)
+                self._store_down_logged = True
+        else:
+            self._store_down_logged = False
+            if quorum_id == self._unsaved:
+                self._unsaved = None
         for waiter in waiters:
             if waiter.ask.attempt_id:
                 self._answered[waiter.ask.replica_id] = (
@@ -407,8 +431,14 @@ class Coordinator:
                 )
             if not waiter.future.done():
                 waiter.future.set_result(formation)
-        if new_epoch:
+        if must_persist:  # the first answer with this id
             self._emit("quorum", None, formation.quorum.reason, formation.quorum)
+
+    @staticmethod
+    def _fail_waiters(waiters: list[_Waiter], error: BaseException) -> None:
+        for waiter in waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
 
     def _settle(self, waiter: _Waiter) -> None:
         """After a Quorum call ends: drop it from the round if it never formed (cancelled RPC),

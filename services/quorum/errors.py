@@ -30,6 +30,12 @@ class NotLeaderError(QuorumError):
     UNAVAILABLE, so clients fail over by themselves)."""
 
 
+class StoreUnavailableError(QuorumError):
+    """The leader cannot write a new quorum to its store (gRPC UNAVAILABLE): it must not answer
+    with an epoch the store could lose (I3), so callers treat it as an unreachable service and
+    go on with the quorum they have while the membership is unchanged."""
+
+
 class FencedError(NotLeaderError):
     """A store write was refused because another instance took the lease since this one was
     elected: this instance must stop deciding at once."""
@@ -47,6 +53,7 @@ __all__ = [
     "QuorumUnavailableError",
     "ShuttingDownError",
     "StaleIncarnationError",
+    "StoreUnavailableError",
     "SupersededRequestError",
     "UnknownReplicaError",
     "WorldSizeMismatchError",

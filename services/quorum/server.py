@@ -41,7 +41,7 @@ from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
 from fthsdp.services.quorum.core import Formation
 from fthsdp.services.quorum.election import CoordinatorSlot
-from fthsdp.services.quorum.errors import NotLeaderError, ShuttingDownError
+from fthsdp.services.quorum.errors import NotLeaderError, ShuttingDownError, StoreUnavailableError
 from fthsdp.services.quorum.metrics import QuorumMetrics
 from fthsdp.services.quorum.store import QuorumStore
 
@@ -64,6 +64,7 @@ ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
     SupersededRequestError: (grpc.StatusCode.ABORTED, "superseded"),
     ShuttingDownError: (grpc.StatusCode.UNAVAILABLE, "shutting_down"),
     NotLeaderError: (grpc.StatusCode.UNAVAILABLE, "not_leader"),
+    StoreUnavailableError: (grpc.StatusCode.UNAVAILABLE, "store_unavailable"),
     InternalError: (grpc.StatusCode.INTERNAL, "internal"),
 }
 """Domain error -> (gRPC status, error kind for the trailing metadata); the most derived class

@@ -18,8 +18,8 @@ from fthsdp.services.quorum.client_types import (
 )
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, Subscription
-from fthsdp.services.quorum.core import Formation
-from fthsdp.services.quorum.errors import ShuttingDownError
+from fthsdp.services.quorum.core import Formation, QuorumRecord
+from fthsdp.services.quorum.errors import ShuttingDownError, StoreUnavailableError
 from fthsdp.services.quorum.store import InMemoryStore
 
 RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
@@ -264,3 +264,57 @@ async def test_a_slow_watcher_is_cut_off_not_buffered_forever(clock: FakeClock) 
         assert sub.queue.get_nowait() is None
     finally:
         await coordinator.close()
+
+
+class FlakyStore(InMemoryStore):
+    """The in-memory store, with an outage switch for quorum writes and history reads."""
+
+    down = False
+
+    async def save_quorum(self, record: QuorumRecord) -> None:
+        if self.down:
+            raise ConnectionError("store down")
+        await super().save_quorum(record)
+
+    async def history(self, limit: int) -> list[QuorumRecord]:
+        if self.down:
+            raise ConnectionError("store down")
+        return await super().history(limit)
+
+
+async def test_a_store_outage_stops_new_epochs_only(clock: FakeClock) -> None:
+    """Issue 23: while the store cannot write, rounds that keep the epoch and the membership are
+    answered (training goes on), a new epoch is refused as unavailable (I3: never an id the
+    store could lose) and is answered, with its event, only once a later round persisted it."""
+    store = FlakyStore()
+    coord = Coordinator(CONFIG, store, clock=clock, wall=lambda: 1.7e9)
+    await coord.start(sweep=False)
+    sub = coord.subscribe()
+    try:
+        incs = {rid: (await coord.join(rid, 1, [RANK]))[0] for rid in "abc"}
+
+        async def round_of(step: int, rids: str, **kw: object) -> list[Formation | BaseException]:
+            tasks = [start_ask(coord, rid, incs[rid], step, **kw) for rid in rids]
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+
+        first = await round_of(1, "abc")
+        epoch = first[0].quorum.quorum_id  # type: ignore[union-attr]
+        drain(sub)
+        store.down = True
+        steady = await round_of(2, "abc")
+        assert {f.quorum.quorum_id for f in steady} == {epoch}  # type: ignore[union-attr]
+        with pytest.raises(StoreUnavailableError):
+            await coord.status(history_limit=1)
+        # A failed commit asks for a new epoch: refused while the store is down, and retried.
+        failed = await round_of(2, "abc", commit_failed=True)
+        assert all(isinstance(f, StoreUnavailableError) for f in failed), failed
+        again = await round_of(2, "abc")
+        assert all(isinstance(f, StoreUnavailableError) for f in again), again
+        assert ("quorum", None) not in drain(sub)
+        store.down = False
+        back = await round_of(2, "abc")
+        assert {f.quorum.quorum_id for f in back} == {epoch + 1}  # type: ignore[union-attr]
+        assert (await store.last_quorum()).quorum_id == epoch + 1  # type: ignore[union-attr]
+        assert ("quorum", None) in drain(sub)
+    finally:
+        await coord.close()
