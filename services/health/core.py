@@ -2,20 +2,29 @@
 
 No I/O, no clock: `evaluate(now)` takes the time, and record times are on the same clock (the
 wire rebases each batch onto the service's clock). Ingest is incremental (each record updates
-small indexes; nothing rescans history), so `evaluate` costs O(open collectives + tracked ranks),
-which is what makes root-cause analysis of a hang at 100K ranks sub-second.
+small indexes; nothing rescans history), so `evaluate` costs O(collectives older than the hang
+timeout and still judged + tracked ranks), which is what makes root-cause analysis of a hang at
+100K ranks sub-second.
 
 Incidents are raised on transitions: each detector reports a condition once, and again only after
 it cleared and came back. `evaluate` returns what is new since its last call; incidents the
 wire already holds are never repeated. A rank already reported fail-stop is not reported again as
 the culprit of the hang its death causes (the fail-stop incident says it first and better), and a
 rank that restarted (a heartbeat names a new process) leaves every collective its old process was
-inside, so a death shorter than the heartbeat timeout is not mistaken for a hang either."""
+inside, so a death shorter than the heartbeat timeout is not mistaken for a hang either. A rank
+named as the culprit of a hang still open is not named again for another collective: that is the
+same hang seen from elsewhere.
+
+Memory follows the live job: a rank that is gone (reported fail-stop, or never heartbeating) and
+sent nothing for `collective_retention_s` (or the heartbeat timeout, if longer) is forgotten by
+every detector, as if it had left; a replica goes with its last rank. Incidents are the wire's
+to keep, and are not touched."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,7 +32,7 @@ from fthsdp.services.health.detectors.collectives import CollectiveIndex
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.detectors.failslow import FailSlowDetector
 from fthsdp.services.health.detectors.failstop import FailStopDetector
-from fthsdp.services.health.detectors.hang import find_hangs
+from fthsdp.services.health.detectors.hang import Hang, find_hangs
 from fthsdp.services.health.detectors.sdc import SdcDetector
 from fthsdp.services.health.detectors.slowrank import SlowRankDetector
 from fthsdp.services.health.telemetry import (
@@ -39,6 +48,11 @@ from fthsdp.services.health.telemetry import (
 ReplicaState = Literal["healthy", "suspect", "down"]
 
 log = logging.getLogger(__name__)
+
+_SWEEPS_PER_HORIZON = 8
+"""Gone ranks are looked for this often per retention: one is forgotten after 1 to 1 1/8
+retentions of silence, for an O(ranks) walk every eighth of a retention: not every evaluation,
+and not a time-ordered index touched by every record (measured: 30% of the ingest rate)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,9 +73,31 @@ class ReplicaView:
     """The latest heartbeat of any of its ranks (None when only telemetry was seen)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CoreStats:
+    """Sizes of the core's state, for the metrics."""
+
+    replicas: int
+    """Replicas heard from and not forgotten."""
+    groups: int
+    """Collective groups tracked."""
+    open_collectives: int
+    """Open collectives tracked."""
+    groups_dropped: Mapping[str, int]
+    """Since the start, by why: "rank_bound" (a rank past collective_groups_per_rank left its
+    least recent group), "total_bound" (collective_groups_total reached), "idle" (a group with
+    no record for collective_retention_s)."""
+    ranks_forgotten: int
+    """Since the start: gone ranks forgotten after the retention."""
+    hang_visits: int
+    """Since the start: open collectives the hang check looked at (the ripe ones it was handed
+    on each evaluation): what the evaluations cost, in collectives."""
+
+
 @dataclass(slots=True)
 class _Replica:
-    ranks: set[int] = field(default_factory=set)
+    ranks: dict[int, float] = field(default_factory=dict)
+    """Rank -> when it last sent anything (the core's clock: the latest evaluation's time)."""
     last_step: int = -1
     last_seen: float | None = None
     down: set[int] = field(default_factory=set)
@@ -74,12 +110,15 @@ class HealthCore:
     event loop (or under one lock)."""
 
     __slots__ = (
+        "_clock",
         "_collectives",
         "_config",
         "_failslow",
         "_failstop",
-        "_hang_reported",
-        "_hung_collectives",
+        "_forgotten_ranks",
+        "_hung_ranks",
+        "_named",
+        "_next_sweep",
         "_replicas",
         "_restarted_at",
         "_sdc",
@@ -93,14 +132,23 @@ class HealthCore:
         self._slowrank = SlowRankDetector(self._collectives, config)
         self._failslow = FailSlowDetector(config)
         self._sdc = SdcDetector(config)
-        self._hang_reported: set[tuple[RankId, str, int]] = set()
-        self._hung_collectives: set[tuple[str, int]] = set()
-        """Open collectives (group, seq) whose culprit a past evaluation named: what they show
-        later (members torn down, the others giving up at different moments) is the aftermath
-        of that verdict, not a new hang."""
+        self._named: dict[tuple[str, int], set[RankId]] = {}
+        """Open collectives (group, seq) whose culprit a past evaluation named -> the culprits
+        whose verdict stands (a rank of -1: the collective itself is stuck). What such a
+        collective shows later (members torn down, the others giving up at different moments)
+        is the aftermath of that verdict, not a new hang. Kept current without a walk: the
+        index names the ones that closed, and a verdict is cleared when the collective was
+        judged again and the culprit not found."""
+        self._hung_ranks: dict[RankId, int] = {}
+        """Culprit rank -> in how many of `_named`'s standing verdicts."""
         self._replicas: dict[str, _Replica] = {}
         self._restarted_at: dict[RankId, float] = {}
         """Restarted rank -> its old process's last beat (records older than that are stale)."""
+        self._clock = -math.inf
+        """The latest `evaluate` time: what ingest stamps a rank's receipt time with."""
+        self._next_sweep = -math.inf
+        """When `_forget_gone` looks for gone ranks next."""
+        self._forgotten_ranks = 0
 
     @property
     def config(self) -> DetectorConfig:
@@ -165,7 +213,7 @@ class HealthCore:
         replica = self._replicas.get(rank.replica_id)
         if replica is None:
             return
-        replica.ranks.discard(rank.rank)
+        replica.ranks.pop(rank.rank, None)
         replica.down.discard(rank.rank)
         if not replica.ranks:
             del self._replicas[rank.replica_id]
@@ -176,6 +224,7 @@ class HealthCore:
     def evaluate(self, now: float) -> list[Incident]:
         """Incidents that became true since the last call, fail-stop first. A detector that
         fails is logged and skipped: it never takes another one's verdict with it."""
+        self._clock = max(self._clock, now)
         found: list[Incident] = []
         for name, check in (
             ("fail-stop", self._failstop.check),
@@ -188,9 +237,25 @@ class HealthCore:
                 found += check(now)
             except Exception:
                 log.exception("the %s detector failed", name)
-        self._collectives.expire(now)
         self._mark(found)
-        return [self._with_host(incident) for incident in found]
+        found = [self._with_host(incident) for incident in found]
+        try:  # after the verdicts: a rank they name keeps its host and marks
+            self._prune(now)
+        except Exception:
+            log.exception("pruning the detectors' state failed")
+        return found
+
+    def stats(self) -> CoreStats:
+        """The sizes of the state, O(1)."""
+        index = self._collectives
+        return CoreStats(
+            replicas=len(self._replicas),
+            groups=len(index.members),
+            open_collectives=len(index.ages),
+            groups_dropped=dict(index.dropped),
+            ranks_forgotten=self._forgotten_ranks,
+            hang_visits=index.ages.visited,
+        )
 
     def replicas(self) -> list[ReplicaView]:
         """Every known replica, sorted by id."""
@@ -202,33 +267,87 @@ class HealthCore:
         replica = self._replicas.get(rank.replica_id)
         if replica is None:
             replica = self._replicas[rank.replica_id] = _Replica()
-        replica.ranks.add(rank.rank)
+        replica.ranks[rank.rank] = self._clock
         return replica
 
+    def _prune(self, now: float) -> None:
+        """What is dead: old collectives, idle groups (and their slow-rank windows), gone ranks."""
+        self._collectives.expire(now)
+        self._slowrank.forget_groups()
+        self._forget_gone(now)
+
+    def _forget_gone(self, now: float) -> None:
+        """Ranks gone and silent past the retention are forgotten, as if they had left."""
+        if now < self._next_sweep:
+            return
+        span = max(self._config.collective_retention_s, self._config.heartbeat_timeout_s)
+        self._next_sweep = now + span / _SWEEPS_PER_HORIZON
+        gone = []
+        for replica_id, replica in self._replicas.items():
+            for number, at in replica.ranks.items():
+                if at == -math.inf:
+                    replica.ranks[number] = now  # heard before the first evaluation
+                elif at < now - span:
+                    rank = RankId(replica_id=replica_id, rank=number)
+                    if not self._beating(rank):
+                        gone.append(rank)
+        for rank in gone:
+            self.rank_left(rank)
+        self._forgotten_ranks += len(gone)
+
+    def _beating(self, rank: RankId) -> bool:
+        """Not reported fail-stop although silent by our clock: its beats are dated in the
+        future by its own (the fail-stop detector decides, not this sweep)."""
+        return self._failstop.last_beat(rank) is not None and not self._failstop.silent(rank)
+
     def _new_hangs(self, now: float) -> list[Incident]:
-        """Hang culprits not yet reported, skipping ranks already reported as fail-stop."""
-        current = find_hangs(self._collectives, now)
-        keys = {_hang_key(i) for i in current}
-        self._hang_reported &= keys  # a resolved hang may be reported again if it recurs
-        still_open = self._collectives.open
-        named = {c for c in self._hung_collectives if c[1] in still_open.get(c[0], ())}
-        self._hung_collectives = set(named)
-        fresh = []
-        for incident in current:
-            key = _hang_key(incident)
-            if key in self._hang_reported or key[1:] in named:
+        """Hang culprits not yet reported, skipping ranks already reported as fail-stop or as
+        the culprit of a hang still open. Every collective a judged culprit blocks is settled:
+        the hang check does not resolve it again until a record changes it."""
+        hangs = find_hangs(self._collectives, now)
+        ages = self._collectives.ages
+        for leaf in ages.drain_gone():
+            for rank in self._named.pop(leaf, ()):
+                self._unhang(rank)
+        current = {_hang_key(hang.incident) for hang in hangs}
+        for leaf in ages.taken:  # judged again: a verdict not found again is cleared
+            standing = self._named.get(leaf)
+            if not standing:
                 continue
-            self._hang_reported.add(key)
-            self._hung_collectives.add(key[1:])
-            if incident.rank is not None and self._failstop.silent(
-                RankId(replica_id=incident.replica_id, rank=incident.rank)
-            ):
-                continue
-            fresh.append(incident)
-        return fresh
+            for rank in [r for r in standing if (r, *leaf) not in current]:
+                standing.discard(rank)
+                self._unhang(rank)
+        return [incident for hang in hangs if (incident := self._judge(hang)) is not None]
+
+    def _judge(self, hang: Hang) -> Incident | None:
+        """The hang's incident if it is news; settles what it blocks either way."""
+        ages = self._collectives.ages
+        for blocked in hang.blocked:
+            ages.settle(blocked)
+        incident = hang.incident
+        rank, group, seq = _hang_key(incident)
+        if (group, seq) in self._named:
+            return None
+        seen_elsewhere = rank in self._hung_ranks
+        self._named[(group, seq)] = {rank}
+        ages.watch((group, seq))
+        if rank.rank >= 0:
+            self._hung_ranks[rank] = self._hung_ranks.get(rank, 0) + 1
+        if seen_elsewhere:
+            return None  # the same culprit, seen from another collective it blocks
+        if incident.rank is not None and self._failstop.silent(rank):
+            return None
+        return incident
+
+    def _unhang(self, rank: RankId) -> None:
+        count = self._hung_ranks.get(rank, 0)
+        if count > 1:
+            self._hung_ranks[rank] = count - 1
+        else:
+            self._hung_ranks.pop(rank, None)
 
     def _in_hang(self, rank: RankId) -> bool:
-        return any(key[0] == rank for key in self._hang_reported)
+        return rank in self._hung_ranks
 
     def _mark(self, incidents: list[Incident]) -> None:
         for incident in incidents:

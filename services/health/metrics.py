@@ -73,5 +73,29 @@ class HealthMetrics:
             buckets=_FAST_BUCKETS,
             registry=r,
         )
+        self.collective_groups = Gauge(
+            "fthsdp_health_collective_groups",
+            "Central: collective groups the detectors track (bounded by "
+            "collective_groups_per_rank and collective_groups_total).",
+            registry=r,
+        )
+        self.open_collectives = Gauge(
+            "fthsdp_health_open_collectives",
+            "Central: open collectives the detectors track.",
+            registry=r,
+        )
+        self.groups_dropped = Counter(
+            "fthsdp_health_collective_groups_dropped_total",
+            "Central: collective groups dropped, by reason: rank_bound (a rank past "
+            "collective_groups_per_rank left its least recently recorded group), total_bound "
+            "(collective_groups_total reached), idle (no record for collective_retention_s).",
+            ["reason"],
+            registry=r,
+        )
+        self.ranks_forgotten = Counter(
+            "fthsdp_health_ranks_forgotten_total",
+            "Central: gone ranks forgotten after collective_retention_s of silence.",
+            registry=r,
+        )
         self.ranks = Gauge("fthsdp_health_ranks", "Ranks currently watched.", registry=r)
         self.nodes = Gauge("fthsdp_health_nodes", "Nodes reporting (central).", registry=r)

@@ -20,9 +20,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from fthsdp.services.health.client_codec import NodeState, ReportBatch, restamp
 from fthsdp.services.health.config import HealthConfig
-from fthsdp.services.health.core import HealthCore, ReplicaView
+from fthsdp.services.health.core import CoreStats, HealthCore, ReplicaView
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_link import QuorumLink
@@ -78,6 +80,8 @@ class CentralEngine:
         self._task: asyncio.Task[None] | None = None
         self._actions: set[asyncio.Task[None]] = set()
         self._store_failing = False
+        self._counted: dict[str, int] = {}
+        """The core's cumulative drop counts already added to the metrics."""
 
     @property
     def detectors(self) -> DetectorConfig:
@@ -201,6 +205,7 @@ class CentralEngine:
         started = time.perf_counter()
         found = self.core.evaluate(now)
         self._metrics.evaluate_seconds.observe(time.perf_counter() - started)
+        self._observe(self.core.stats())
         fresh = [i for i in found if not self._already_reported(i)]
         if not fresh:
             return []
@@ -218,6 +223,22 @@ class CentralEngine:
             if incident.evidence["policy"] == "evict":
                 self._evict(incident)
         return fresh
+
+    def _observe(self, stats: CoreStats) -> None:
+        """The core's sizes into the metrics."""
+        metrics = self._metrics
+        metrics.collective_groups.set(stats.groups)
+        metrics.open_collectives.set(stats.open_collectives)
+        for reason, total in stats.groups_dropped.items():
+            self._count_up(metrics.groups_dropped.labels(reason=reason), reason, total)
+        self._count_up(metrics.ranks_forgotten, "ranks", stats.ranks_forgotten)
+
+    def _count_up(self, counter: Counter, name: str, total: int) -> None:
+        """Adds to `counter` what a cumulative count of the core gained since the last call."""
+        new = total - self._counted.get(name, 0)
+        if new > 0:
+            counter.inc(new)
+            self._counted[name] = total
 
     def _verdict(self, incident: Incident, detectors: DetectorConfig) -> dict[str, str]:
         """What the service does about `incident`, for its evidence: evict or report, and for

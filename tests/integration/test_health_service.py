@@ -12,6 +12,7 @@ from datetime import timedelta
 import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.services.health.client import TelemetryClient
@@ -276,3 +277,42 @@ async def test_bad_http_inputs_are_400_with_a_json_body(make_node: NodeFactory, 
         assert (await http.get("/v1/detectors")).json() == before  # nothing half-applied
     with HealthClient(central.http_url or "", token) as client, pytest.raises(InvalidReportError):
         await asyncio.to_thread(client.incidents, kind="meltdown")
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value, from a /metrics page."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_one_report_of_5000_open_collectives_in_distinct_groups_keeps_the_bound(
+    make_node: NodeFactory, token: str
+) -> None:
+    central = await make_node()
+    now = time.time()
+    flood = [
+        pb.CollectiveRecord(
+            rank=rank_ref("r0"), group=f"ftar:{q}:0", seq=0, op="allreduce", started_at=now
+        )
+        for q in range(5_000)
+    ]
+    await report(central.grpc_address, token, pb.ReportRequest(source="x", collectives=flood))
+    bound = DetectorConfig().collective_groups_per_rank
+    dropped = ("fthsdp_health_collective_groups_dropped_total", (("reason", "rank_bound"),))
+    headers = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=central.http_url or "", headers=headers) as http:
+
+        async def evaluated() -> bool:
+            page = (await http.get("/metrics")).raise_for_status().text
+            return _samples(page).get(dropped) == 5_000 - bound
+
+        await eventually(evaluated)
+        samples = _samples((await http.get("/metrics")).text)
+    assert samples[("fthsdp_health_collective_groups", ())] == bound
+    assert samples[("fthsdp_health_open_collectives", ())] == bound
+    assert central.engine is not None
+    assert central.engine.core.stats().groups == bound
+    assert central.engine.core.stats().open_collectives == bound

@@ -26,8 +26,20 @@ def test_round_trip() -> None:
         {"hang_timeout_s": -1.0},
         {"collective_retention_s": 5.0},
         {"heartbeat_timeout_s": float("nan")},
+        {"collective_groups_per_rank": 1},
+        {"collective_groups_per_rank": 1_001},
+        {"collective_groups_per_rank": 64.0},
+        {"collective_groups_total": 999},
+        {"collective_groups_total": 2**63},
     ],
 )
 def test_bad_settings_are_rejected(data: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         DetectorConfig.from_dict(data)
+
+
+def test_the_group_bounds_have_defaults_for_large_jobs() -> None:
+    config = DetectorConfig()
+    assert (config.collective_groups_per_rank, config.collective_groups_total) == (64, 1_000_000)
+    changed = DetectorConfig.from_dict({"collective_groups_per_rank": 8})
+    assert changed.collective_groups_per_rank == 8

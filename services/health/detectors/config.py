@@ -16,6 +16,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_timeout_s": (0.05, 3600.0),
     "hang_timeout_s": (0.1, 86400.0),
     "collective_retention_s": (1.0, 7 * 86400.0),
+    "collective_groups_per_rank": (2, 1_000),
+    "collective_groups_total": (1_000, 10_000_000),
     "slow_rank_window": (1, 10_000),
     "slow_rank_min_samples": (1, 10_000),
     "slow_rank_min_lag_s": (1e-4, 60.0),
@@ -46,7 +48,20 @@ class DetectorConfig:
     Far above a healthy collective's duration, far below the 60 s collective timeouts it beats."""
     collective_retention_s: float = 600.0
     """An open collective older than this is forgotten (a group of an old quorum that will never
-    complete); bounds memory. Must exceed hang_timeout_s so a hang is reported first."""
+    complete); bounds memory. Must exceed hang_timeout_s so a hang is reported first. A group
+    that received no record for this long is forgotten with everything it holds, and so is a
+    rank that is gone (fail-stop, or never heartbeating) and sent nothing for this long (or for
+    heartbeat_timeout_s, if longer)."""
+    collective_groups_per_rank: int = 64
+    """The most collective groups tracked per rank. A rank is in a few at a time (its
+    intra-replica group and one "ftar:<quorum_id>:<rank>" ring per quorum); past the bound its
+    least recently recorded groups are forgotten (those of old quorums, dead anyway), so a long
+    job never locks itself out and one report cannot make a rank hold thousands. A bound
+    lowered at run time applies as ranks join groups."""
+    collective_groups_total: int = 1_000_000
+    """The most collective groups tracked in all (100K ranks in one ring each, with room for the
+    rings of the quorums of the last collective_retention_s); past it the least recently recorded
+    group is forgotten."""
     slow_rank_window: int = 40
     """K: how many of a group's most recent completed collectives the arrival analysis looks at."""
     slow_rank_min_samples: int = 20
@@ -89,6 +104,8 @@ class DetectorConfig:
             _positive(name, getattr(self, name))
         if self.collective_retention_s <= self.hang_timeout_s:
             raise ValueError("collective_retention_s must exceed hang_timeout_s")
+        if self.collective_groups_per_rank > self.collective_groups_total:
+            raise ValueError("collective_groups_per_rank must not exceed collective_groups_total")
         for name in ("slow_rank_window", "slow_rank_min_samples", "fail_slow_warmup_steps"):
             _at_least(name, getattr(self, name), 1)
         _at_least("fail_slow_persist_steps", self.fail_slow_persist_steps, 1)

@@ -9,8 +9,13 @@ C, which is a leaf). When every member entered C and some left but others never 
 the culprits (they are stuck inside a collective the others finished). When every member is
 inside and none left, the collective itself is stuck (the network): no rank can be named.
 
-Cost: one pass over the stale open collectives, each resolved once (memoised), each costing
-O(its group's members); at 12 x 8192 ranks that is ~8K small rings plus one 8K-rank group."""
+Cost: one pass over the ripe collectives (`CollectiveIndex.ripe`: older than the hang timeout,
+neither part of a named hang nor found idle), each resolved once (memoised), each costing O(its
+group's members); at 12 x 8192 ranks that is ~8K small rings plus one 8K-rank group. Young ones
+are never visited (they wait in a heap by first entry), and neither are the ones the core settled
+after naming their culprit, nor the idle ones (nobody inside), until a record changes them. So
+when nothing changed, an evaluation costs only the old collectives still waiting on a young one
+(for at most one hang timeout), not every open one."""
 
 from __future__ import annotations
 
@@ -81,18 +86,35 @@ class _Graph:
         return [(None, key, "collective_stuck")]
 
 
-def find_hangs(index: CollectiveIndex, now: float) -> list[Incident]:
-    """One incident per culprit of every collective open longer than the hang timeout."""
+@dataclass(frozen=True, slots=True)
+class Hang:
+    """One culprit of the ripe collectives."""
+
+    incident: Incident
+    blocked: frozenset[Key]
+    """The ripe collectives whose wait-for chain ends at this culprit (its leaf among them when
+    the leaf is ripe): the core settles them once it judged the culprit."""
+
+
+def find_hangs(index: CollectiveIndex, now: float) -> list[Hang]:
+    """One hang per culprit of the ripe collectives (open longer than the hang timeout, see the
+    module docstring). A ripe collective nobody is inside is set to rest (idle)."""
     graph = _Graph(index, now)
     culprits: dict[tuple[RankId | None, Key], _Culprit] = {}
-    for inst in list(index.instances()):
-        if inst.first_start > graph.horizon or not _someone_waits(inst):
+    for inst in index.ripe(now):
+        if inst.first_start > graph.horizon:
+            continue  # the hang timeout was raised since it ripened
+        if not _someone_waits(inst):
+            index.ages.rest((inst.group, inst.seq))
             continue
         for rank, leaf_key, reason in graph.resolve(inst):
             leaf = index.open[leaf_key[0]][leaf_key[1]]
             culprit = culprits.setdefault((rank, leaf_key), _Culprit(rank, leaf, reason))
             culprit.blocked.add((inst.group, inst.seq))
-    return [_incident(c, index, now) for c in _best_per_rank(culprits.values())]
+    return [
+        Hang(_incident(c, index, now), frozenset(c.blocked))
+        for c in _best_per_rank(culprits.values())
+    ]
 
 
 def _someone_waits(inst: Instance) -> bool:

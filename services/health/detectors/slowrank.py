@@ -55,8 +55,16 @@ class SlowRankDetector:
         """Whether a slow-rank condition on the replica is still active."""
         return any(rid == replica_id for rid, _ in self._reported)
 
+    def forget_groups(self) -> None:
+        """Drops the windows of the groups the index forgot."""
+        for group in self._index.drain_forgotten():
+            self._windows.pop(group, None)
+            self._local.pop(group, None)
+            self._candidates.pop(group, None)
+
     def check(self, now: float) -> list[Incident]:
         """New slow-rank incidents from the collectives completed since the last call."""
+        self.forget_groups()
         touched = self._absorb(self._index.drain())
         for group in touched:
             self._judge(group)
@@ -68,6 +76,8 @@ class SlowRankDetector:
     def _absorb(self, arrivals: list[Arrival]) -> set[str]:
         touched = set()
         for arrival in arrivals:
+            if arrival.group not in self._index.members:
+                continue  # completed as its group was forgotten: nothing to judge it with
             window = self._windows.get(arrival.group)
             if window is None:
                 window = self._windows[arrival.group] = deque(maxlen=self._config.slow_rank_window)
