@@ -2,7 +2,7 @@
 costs when nothing fails.
 
     python -m bench.recovery --replicas 3 --ranks 2 --duration-s 60 --kill-every-s 15 \
-        --kill-mode process --seed 0 --json bench-recovery.json
+        --kill-mode process --seed 0 --spares 2 --json bench-recovery.json
 
 Runs the demo job (`deploy.demo.run.run_demo`, real processes and real kills) several times in one
 invocation, so every comparison is between runs measured side by side on the same machine:
@@ -12,6 +12,9 @@ invocation, so every comparison is between runs measured side by side on the sam
    stall and the time until the victim commits again; median and max over the failures.
 2. `baseline`: the same schedule (seed, duration, period, mode) under restart policy "job" (every
    replica restarts from the last durable checkpoint on any failure).
+2b. `spares` (with `--spares N`): the `fthsdp` schedule again, with N warm spare rank processes
+   (torch imported, model built) that a restarted replica takes over: time to healthy side by
+   side with fresh processes.
 3. `faultfree`: the same duration without failures and, like the DDP baseline, without durable
    checkpoints (`--faultfree-durable-every-steps`); its committed replica-steps per second over
    the span from the first to the last commit is the fault-free rate (so the ETT below is, if
@@ -117,6 +120,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="durable checkpoint period of the fault-free runs (default 0: the DDP baseline "
         "writes none either; the runs with failures keep the demo's period)",
+    )
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="also run the failure schedule with this many warm spares (FT-HSDP policy) and "
+        "show it next to the fresh restarts (default 0: no such run)",
     )
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument(
@@ -322,7 +332,7 @@ def analyse_run(run_dir: Path, report: dict[str, Any], warmup: int) -> dict[str,
 
 
 def run_phase(
-    name: str, args: argparse.Namespace, root: Path, *, policy: str, kills: bool
+    name: str, args: argparse.Namespace, root: Path, *, policy: str, kills: bool, spares: int = 0
 ) -> dict[str, Any]:
     run_dir = root / name
     config = DemoConfig(
@@ -337,6 +347,7 @@ def run_phase(
         restart_policy=policy,
         live=False,
         health=not args.no_health,
+        spares=spares,
     )
     if not kills:
         config = dataclasses.replace(config, durable_every_steps=args.faultfree_durable_every_steps)
@@ -457,7 +468,8 @@ def compare(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "fault_free_replica_steps_per_s": rate,
         "fault_free_steps_per_s": ff_steps,
         "survivor_pace_vs_fault_free": pace,
-        "ett": {"fthsdp": ett_ft, "baseline": ett_base},
+        "ett": {"fthsdp": ett_ft, "baseline": ett_base}
+        | ({"spares": ett(phases["spares"])} if "spares" in phases else {}),
         "ett_ratio": {k: _ratio(ett_ft[k], ett_base[k]) for k in ett_ft},
         "overhead": {
             "fthsdp_median_step_s": ft_step,
@@ -601,6 +613,32 @@ def _render_failures(result: dict[str, Any]) -> list[str]:
         for name, run in (("fthsdp", ft), ("baseline", base), ("faultfree", ff))
     )
     lines.append(f"invariants I1/I2  {inv}")
+    if "spares" in ph:
+        lines += _render_spares(ph["spares"], ft, cmp_["ett"])
+    return lines
+
+
+def _render_spares(sp: dict[str, Any], ft: dict[str, Any], ett: dict[str, Any]) -> list[str]:
+    """The same schedule with warm spares, next to fresh restarts."""
+    w = 30
+    lines = [
+        "",
+        f"{'per failure (s)':<{w}}{'warm spares':>24}{'fresh processes':>24}",
+        f"{'':<{w}}{'median':>9}{'max':>9}{'n':>6}{'median':>9}{'max':>9}{'n':>6}",
+    ]
+    for key in FAILURE_METRICS:
+        row = f"{key.removesuffix('_s').replace('_', ' '):<{w}}"
+        for run in (sp, ft):
+            st = _get(run, "failures", key) or {}
+            n = f"{st.get('n', 0)}/{_get(run, 'failures', 'injected') or 0}"
+            row += f"{_f(st.get('median')):>9}{_f(st.get('max')):>9}{n:>6}"
+        lines.append(row)
+    lines.append(
+        f"{'ETT (time, launch→last commit)':<{w}}{_f(ett['spares']['time_launch']):>24}"
+        f"{_f(ett['fthsdp']['time_launch']):>24}"
+    )
+    inv = "/".join(_f(_get(sp, "invariants", i)) for i in ("I1", "I2"))
+    lines.append(f"invariants I1/I2  spares:{inv}")
     return lines
 
 
@@ -676,6 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.overhead_only:
         phases["fthsdp"] = run_phase("fthsdp", args, root, policy="replica", kills=True)
         phases["baseline"] = run_phase("baseline", args, root, policy="job", kills=True)
+        if args.spares:
+            phases["spares"] = run_phase(
+                "spares", args, root, policy="replica", kills=True, spares=args.spares
+            )
     # DDP, fthsdp, DDP, fthsdp, ..., DDP: each fault-free run sits between two DDP runs, so load
     # drift during the benchmark hits both sides alike.
     phases["ddp_before"] = run_ddp_phase("ddp_before", args, root)

@@ -176,9 +176,26 @@ class EndEvent:
     """Unix seconds."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SparesEvent:
+    """The launcher's pool of warm spares changed size."""
+
+    t: float
+    """Unix seconds."""
+    warm: int
+    """Spares ready to take over."""
+
+
 ReplicaEvent = StartEvent | CommitEvent | FinalEvent
 SupervisorEvent = (
-    RunEvent | InjectEvent | ExitEvent | RestartEvent | QuorumEvent | RollbackEvent | EndEvent
+    RunEvent
+    | InjectEvent
+    | ExitEvent
+    | RestartEvent
+    | QuorumEvent
+    | RollbackEvent
+    | EndEvent
+    | SparesEvent
 )
 Event = ReplicaEvent | SupervisorEvent
 
@@ -302,6 +319,8 @@ def parse_event(obj: Mapping[str, Any]) -> Event | None:
         )
     if kind == "end":
         return EndEvent(t=t)
+    if kind == "spares":
+        return SparesEvent(t=t, warm=_field(obj, "warm", int))
     if kind == "rollback":
         return RollbackEvent(t=t)
     return None

@@ -94,6 +94,9 @@ class DemoConfig:
     hang_timeout: timedelta = timedelta(seconds=3)
     """A collective open this long is a hang (the health service's `--hang-timeout-ms`); the
     demo's steps take tens of milliseconds, so 3 s is far above a healthy one."""
+    spares: int = 0
+    """Warm spare rank processes kept ready (torch imported, model built): a restarted replica
+    takes `ranks` of them when that many are alive, else starts fresh processes."""
     store_down: timedelta = timedelta(seconds=10)
     """`kill_mode="store"`: how long the killed redis-server stays down before the stack's
     supervision brings it back (with its append-only file)."""
@@ -109,6 +112,8 @@ class DemoConfig:
             raise ValueError(f"kill_mode must be one of {KILL_MODES}")
         if self.kill_mode.startswith("store") and not self.redis:
             raise ValueError(f"kill_mode {self.kill_mode!r} needs redis (the store is redis)")
+        if not 0 <= self.spares <= 64:
+            raise ValueError("spares must be in 0..64")
         if self.store_down < timedelta(0):
             raise ValueError("store_down must not be negative")
         if self.duration <= timedelta(0):
@@ -245,6 +250,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             events,
             on_failure=lambda rid, why: stack.report_failure(rid, why),
             restart_policy=config.restart_policy,
+            spares=config.spares,
         )
         events.write(
             "run",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.spares import SparePool, assign
 from fthsdp.deploy.processes import free_port
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class Replica:
     """When a dead replica is started again (monotonic time); None while it runs."""
     hung: bool = False
     starts: int = 0
+    ended: set[int] = field(default_factory=set)
+    """Ranks whose clean exit at the end was logged already (they wait for the others)."""
 
     @property
     def running(self) -> bool:
@@ -76,36 +79,52 @@ class ReplicaCommand:
     """Further flags for `deploy.demo.train`."""
 
     def argv(self, replica: Replica, rank: int, init_port: int) -> list[str]:
+        """The command line of a fresh rank process."""
+        return [*self.common_argv(), *self.identity(replica, rank, init_port)]
+
+    def spare_argv(self) -> list[str]:
+        """A warm spare: everything but its identity, which it reads from stdin once taken."""
+        return [*self.common_argv(), "--spare"]
+
+    def common_argv(self) -> list[str]:
+        """What every rank of the job shares."""
         return [
             sys.executable,
             "-m",
             "fthsdp.deploy.demo.train",
             "--run-dir",
             str(self.run_dir),
-            "--replica-id",
-            replica.replica_id,
-            "--replica-index",
-            str(replica.index),
             "--total-replicas",
             str(self.total_replicas),
-            "--rank",
-            str(rank),
             "--world-size",
             str(self.world_size),
-            "--init-method",
-            f"tcp://127.0.0.1:{init_port}",
             "--quorum",
             self.quorum_address,
-            "--checkpoint-url",
-            self.checkpoint_urls[replica.replica_id],
-            "--shm-dir",
-            self.shm_dirs[replica.replica_id],
             "--token-file",
             str(self.token_file),
             "--stop-file",
             str(self.run_dir / "stop.json"),
-            *self._health_args(replica),
             *self.extra_args,
+        ]
+
+    def identity(self, replica: Replica, rank: int, init_port: int) -> list[str]:
+        """What makes a process rank `rank` of `replica` (a spare gets it when it takes over)."""
+        return [
+            "--replica-id",
+            replica.replica_id,
+            "--replica-index",
+            str(replica.index),
+            "--rank",
+            str(rank),
+            "--init-method",
+            f"tcp://127.0.0.1:{init_port}",
+            "--checkpoint-url",
+            self.checkpoint_urls[replica.replica_id],
+            "--shm-dir",
+            self.shm_dirs[replica.replica_id],
+            "--log-file",
+            str(self.run_dir / "logs" / f"{replica.replica_id}.log"),
+            *self._health_args(replica),
         ]
 
     def _health_args(self, replica: Replica) -> list[str]:
@@ -124,6 +143,7 @@ class Supervisor:
         on_failure: Callable[[str, str], None],
         restart_delay: float = 0.5,
         restart_policy: str = "replica",
+        spares: int = 0,
     ) -> None:
         if restart_policy not in RESTART_POLICIES:
             raise ValueError(f"restart_policy must be one of {RESTART_POLICIES}")
@@ -137,26 +157,39 @@ class Supervisor:
         ]
         self._logs = command.run_dir / "logs"
         self._logs.mkdir(parents=True, exist_ok=True)
+        self._env = {**os.environ, **command.env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.spares = SparePool(spares, command.spare_argv(), self._env, self._logs)
+        """Warm spare rank processes (empty with `spares=0`); `poll` keeps it full."""
+        self._spares_shown = -1
         self.stopping = False
 
     def by_id(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.replica_id == replica_id), None)
 
     def start(self, replica: Replica) -> None:
+        """Launches a replica; a restart takes warm spares when enough are ready."""
         port = free_port()
         replica.starts += 1
-        env = {**os.environ, **self.command.env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        out = (self._logs / f"{replica.replica_id}.log").open("ab")
-        replica.procs = [
-            subprocess.Popen(
-                self.command.argv(replica, rank, port), env=env, stdout=out, stderr=out
-            )
-            for rank in range(self.command.world_size)
-        ]
-        out.close()
+        taken = self.spares.take(self.command.world_size) if replica.starts > 1 else None
+        if taken is not None:
+            for rank, proc in enumerate(taken):
+                assign(proc, self.command.identity(replica, rank, port))
+            replica.procs = taken
+        else:
+            out = (self._logs / f"{replica.replica_id}.log").open("ab")
+            replica.procs = [
+                subprocess.Popen(
+                    self.command.argv(replica, rank, port), env=self._env, stdout=out, stderr=out
+                )
+                for rank in range(self.command.world_size)
+            ]
+            out.close()
         replica.restart_at = None
         replica.hung = False
-        self.events.write("restart" if replica.starts > 1 else "launch", replica=replica.replica_id)
+        if replica.starts > 1:
+            self.events.write("restart", replica=replica.replica_id, spare=taken is not None)
+        else:
+            self.events.write("launch", replica=replica.replica_id)
 
     def start_all(self) -> None:
         for replica in self.replicas:
@@ -184,15 +217,23 @@ class Supervisor:
             replica.restart_at = time.monotonic() + self._restart_delay
 
     def poll(self) -> None:
-        """Reaps ended ranks; a dead rank takes its whole replica down; restarts when due."""
+        """Reaps ended ranks; a dead rank takes its whole replica down; restarts when due;
+        refills the spare pool."""
         now = time.monotonic()
+        if not self.stopping and self.spares.size:
+            self.spares.refill()
+            warm = self.spares.warm
+            if warm != self._spares_shown:
+                self._spares_shown = warm
+                self.events.write("spares", warm=warm)
         for replica in self.replicas:
             for rank, proc in enumerate(replica.procs):
                 code = proc.poll()
-                if code is None:
+                if code is None or rank in replica.ended:
                     continue
                 self.events.write("exit", replica=replica.replica_id, rank=rank, code=code)
                 if code == 0 and self.stopping:
+                    replica.ended.add(rank)
                     continue
                 self.fail(replica, f"rank {rank} exited with {code}")
                 break
@@ -247,8 +288,9 @@ class Supervisor:
             self.fail(replica, "hung: evicted by the quorum service")
 
     def stop_all(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds."""
+        """SIGTERM, then SIGKILL after `grace` seconds; spares go at once."""
         self.stopping = True
+        self.spares.stop()
         procs = [p for r in self.replicas for p in r.procs]
         for proc in procs:
             if proc.poll() is None:

@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", type=Path, required=True, help="where the JSON-lines logs go")
     p.add_argument("--job", default="demo", help="job id (checkpoints are stored under it)")
-    p.add_argument("--replica-id", required=True, help="stable id of this replica, e.g. r0")
-    p.add_argument("--replica-index", type=int, required=True, help="data shard of the replica")
+    p.add_argument("--replica-id", help="stable id of this replica, e.g. r0 (required)")
+    p.add_argument("--replica-index", type=int, help="data shard of the replica (required)")
     p.add_argument("--total-replicas", type=int, required=True, help="replicas in the job")
     p.add_argument("--rank", type=int, default=int(env.get("RANK", "0")), help="rank in replica")
     p.add_argument(
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quorum", required=True, help="quorum service host:port[,host:port...] (all instances)"
     )
-    p.add_argument("--checkpoint-url", required=True, help="this host's checkpoint sidecar URL")
+    p.add_argument("--checkpoint-url", help="this host's checkpoint sidecar URL (required)")
     p.add_argument(
         "--shm-dir",
         default=str(default_shm_dir()),
@@ -108,7 +108,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train on the previous quorum after the quorum service is unreachable this long "
         "(steady state only; -1: always wait)",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--spare",
+        action="store_true",
+        help="a warm spare: import and build the model, then read the rest of the command line "
+        "(this rank's identity) as one JSON list from stdin; exit if stdin closes first",
+    )
+    p.add_argument(
+        "--log-file", type=Path, help="append stdout and stderr here (a spare that takes over)"
+    )
+    args = p.parse_args(argv)
+    missing = [
+        flag
+        for flag, value in (
+            ("--replica-id", args.replica_id),
+            ("--replica-index", args.replica_index),
+            ("--checkpoint-url", args.checkpoint_url),
+        )
+        if value is None
+    ]
+    if missing and not args.spare:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
+
+
+def _take_identity(argv: list[str]) -> argparse.Namespace | None:
+    """A spare's wait: its full arguments once the launcher hands it an identity, or None when
+    the launcher closes the pipe instead (the pool is being emptied)."""
+    print("warm", flush=True)  # the launcher starts the next spare only after this line
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    identity = json.loads(line)
+    if not isinstance(identity, list) or not all(isinstance(a, str) for a in identity):
+        raise SystemExit("a spare's identity must be a JSON list of strings")
+    args = parse_args([a for a in argv if a != "--spare"] + identity)
+    if args.log_file is not None:
+        fd = os.open(args.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    else:  # the launcher reads nothing more from the pipe
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.close(fd)
+    return args
 
 
 def shard_replica(model: torch.nn.Module, group: ReplicaGroup) -> None:
@@ -134,15 +178,22 @@ def _stop_at(stop_file: Path | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    torch.set_num_threads(1)
+    # Before the identity: what a spare does ahead of time (torch is imported already).
+    dataset = CharDataset()
+    model = build_model(TinyGPTConfig(vocab_size=dataset.vocab_size), seed=args.seed)
+    if args.spare:
+        taken = _take_identity(argv)
+        if taken is None:
+            return 0
+        args = taken
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {args.replica_id}/{args.rank} %(message)s"
     )
-    torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     token = load_token(path=args.token_file).value
-    dataset = CharDataset()
-    model = build_model(TinyGPTConfig(vocab_size=dataset.vocab_size), seed=args.seed)
     group = ReplicaGroup.init(
         rank=args.rank,
         world_size=args.world_size,

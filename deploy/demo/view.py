@@ -31,6 +31,7 @@ from fthsdp.deploy.demo.report import (
     JsonlTail,
     QuorumEvent,
     RunEvent,
+    SparesEvent,
     StartEvent,
 )
 
@@ -94,6 +95,8 @@ class LiveView:
         self._started: float | None = None
         self._injected = 0
         self._quorum: QuorumEvent | None = None
+        self._spares: int | None = None
+        """Warm spares ready (None: the run keeps no pool)."""
 
     def poll(self) -> None:
         """Read what the logs gained since the last poll."""
@@ -112,6 +115,9 @@ class LiveView:
             return
         if isinstance(event, QuorumEvent):
             self._quorum = event
+            return
+        if isinstance(event, SparesEvent):
+            self._spares = event.warm
             return
         if self._started is None:
             self._started = event.t
@@ -146,7 +152,11 @@ class LiveView:
             if q is None
             else f"#{q.quorum_id} healthy {','.join(q.healthy) or '-'} max_step {q.max_step}"
         )
-        return f"elapsed {elapsed:6.1f}s | failures injected {self._injected} | quorum {quorum}"
+        spares = "" if self._spares is None else f" | spares {self._spares}"
+        return (
+            f"elapsed {elapsed:6.1f}s | failures injected {self._injected} | quorum {quorum}"
+            f"{spares}"
+        )
 
     def render(self, now: float | None = None) -> Group:
         """Poll the logs and draw the table with the status line under it."""
