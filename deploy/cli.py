@@ -129,6 +129,11 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "(default 3)",
     )  # fmt: skip
     p.add_argument(
+        "--spares", type=int, default=0,
+        help="warm spare rank processes (torch imported, model built) that a restarted replica "
+        "takes over instead of starting fresh ones (default 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--store-down", type=_positive_seconds, default=timedelta(seconds=10),
         help="--kill-mode store: seconds the killed redis-server stays down before it is "
         "restarted (default 10)",
@@ -163,6 +168,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         on_failure=args.on_failure,
         hang_timeout=args.hang_timeout,
         store_down=args.store_down,
+        spares=args.spares,
     )
     report = run_demo(config)
     if args.report:
