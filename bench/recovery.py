@@ -561,12 +561,7 @@ def _render_failures(result: dict[str, Any]) -> list[str]:
         f"{'per failure (s)':<{w}}{'FT-HSDP (replica)':>24}{'baseline (job)':>24}   target",
         f"{'':<{w}}{'median':>9}{'max':>9}{'n':>6}{'median':>9}{'max':>9}{'n':>6}",
     ]
-    for key in FAILURE_METRICS:
-        row = f"{key.removesuffix('_s').replace('_', ' '):<{w}}"
-        for run in (ft, base):
-            st = _get(run, "failures", key) or {}
-            n = f"{st.get('n', 0)}/{_get(run, 'failures', 'injected') or 0}"
-            row += f"{_f(st.get('median')):>9}{_f(st.get('max')):>9}{n:>6}"
+    for key, row in _per_failure_rows((ft, base), w):
         lines.append(f"{row}   {targets[key]}")
     pace = cmp_["survivor_pace_vs_fault_free"]
     lines.append(
@@ -618,6 +613,19 @@ def _render_failures(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _per_failure_rows(runs: tuple[dict[str, Any], ...], w: int) -> list[tuple[str, str]]:
+    """(metric, row): median, max and count of each per-failure metric, one column per run."""
+    rows = []
+    for key in FAILURE_METRICS:
+        row = f"{key.removesuffix('_s').replace('_', ' '):<{w}}"
+        for run in runs:
+            st = _get(run, "failures", key) or {}
+            n = f"{st.get('n', 0)}/{_get(run, 'failures', 'injected') or 0}"
+            row += f"{_f(st.get('median')):>9}{_f(st.get('max')):>9}{n:>6}"
+        rows.append((key, row))
+    return rows
+
+
 def _render_spares(sp: dict[str, Any], ft: dict[str, Any], ett: dict[str, Any]) -> list[str]:
     """The same schedule with warm spares, next to fresh restarts."""
     w = 30
@@ -626,13 +634,7 @@ def _render_spares(sp: dict[str, Any], ft: dict[str, Any], ett: dict[str, Any]) 
         f"{'per failure (s)':<{w}}{'warm spares':>24}{'fresh processes':>24}",
         f"{'':<{w}}{'median':>9}{'max':>9}{'n':>6}{'median':>9}{'max':>9}{'n':>6}",
     ]
-    for key in FAILURE_METRICS:
-        row = f"{key.removesuffix('_s').replace('_', ' '):<{w}}"
-        for run in (sp, ft):
-            st = _get(run, "failures", key) or {}
-            n = f"{st.get('n', 0)}/{_get(run, 'failures', 'injected') or 0}"
-            row += f"{_f(st.get('median')):>9}{_f(st.get('max')):>9}{n:>6}"
-        lines.append(row)
+    lines += [row for _, row in _per_failure_rows((sp, ft), w)]
     lines.append(
         f"{'ETT (time, launch→last commit)':<{w}}{_f(ett['spares']['time_launch']):>24}"
         f"{_f(ett['fthsdp']['time_launch']):>24}"

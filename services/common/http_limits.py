@@ -27,12 +27,21 @@ HEADER_TIMEOUT_S = 10.0
 """From connection (or a request's first byte) to its complete head."""
 
 
-class _HeadDeadline:
-    """The timer half, shared by both protocols: armed while a head is awaited."""
+class _HeadDeadline(asyncio.Protocol):
+    """The timer half, shared by both protocols: armed while a head is awaited (from the
+    connection on, and again at each request's first byte)."""
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:
         if self._head_timer is None:
@@ -58,14 +67,6 @@ class BoundedHttpToolsProtocol(_HeadDeadline, HttpToolsProtocol):
 
     _in_head = True
     _head_bytes = 0
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_deadline()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -104,14 +105,6 @@ class BoundedHttpToolsProtocol(_HeadDeadline, HttpToolsProtocol):
 
 class BoundedH11Protocol(_HeadDeadline, H11Protocol):
     """h11 (which bounds the head size itself) with the head deadline."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_deadline()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

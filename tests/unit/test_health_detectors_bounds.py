@@ -19,16 +19,6 @@ def _index(core: HealthCore) -> CollectiveIndex:
     return core._collectives
 
 
-def _ring_round(core: HealthCore, quorum: int, seq: int, t: float) -> None:
-    """`_healthy_round` with the rings of another quorum."""
-    records = []
-    for replica in ("a", "b"):
-        for rank in (0, 1):
-            records.append(_rec(replica, rank, f"replica:{replica}", seq, t, t + 0.1))
-            records.append(_rec(replica, rank, f"ftar:{quorum}:{rank}", seq, t + 0.2, t + 0.3))
-    core.collectives(records)
-
-
 def test_one_rank_in_20000_groups_keeps_at_most_its_bound_and_the_newest() -> None:
     core = HealthCore(CFG)
     flood = [_rec("a", 0, f"ftar:{q}:0", 0, q * 1e-3, None) for q in range(20_000)]
@@ -79,7 +69,7 @@ def test_groups_idle_past_the_retention_are_forgotten_entirely() -> None:
     index = _index(core)
     assert set(index.members) == {"replica:a", "replica:b", "ftar:1:0", "ftar:1:1"}
     core.evaluate(300.0)
-    _ring_round(core, 2, 3, 300.0)  # a new quorum: new rings, the same intra groups
+    _healthy_round(core, 3, 300.0, quorum=2)  # a new quorum: new rings, the same intra groups
     core.evaluate(301.0)
     assert len(index.members) == 6 and len(core._slowrank._windows) == 6
 
@@ -157,8 +147,10 @@ def test_the_hang_detector_names_the_culprit_after_old_groups_were_pruned() -> N
     _healthy_round(core, 0, 0.0)
     core.evaluate(1.0)
     core.evaluate(300.0)
-    _ring_round(core, 2, 0, 300.0)  # intra groups: seq 0 was quorum 1's; the same seq is done
-    _ring_round(core, 2, 1, 301.0)
+    _healthy_round(
+        core, 0, 300.0, quorum=2
+    )  # intra groups: seq 0 was quorum 1's; the same seq is done
+    _healthy_round(core, 1, 301.0, quorum=2)
     core.evaluate(650.0)
     index = _index(core)
     assert "ftar:1:0" not in index.members and "ftar:1:1" not in index.members

@@ -25,13 +25,13 @@ def _rec(replica: str, rank: int, group: str, seq: int, start: float, end: float
     )
 
 
-def _healthy_round(core: HealthCore, seq: int, t: float) -> None:
-    """Two replicas x 2 ranks: intra groups then rings, all completing."""
+def _healthy_round(core: HealthCore, seq: int, t: float, quorum: int = 1) -> None:
+    """Two replicas x 2 ranks: intra groups then the rings of `quorum`, all completing."""
     recs = []
     for r in ("a", "b"):
         for i in (0, 1):
             recs.append(_rec(r, i, f"replica:{r}", seq, t, t + 0.1))
-            recs.append(_rec(r, i, f"ftar:1:{i}", seq, t + 0.2, t + 0.3))
+            recs.append(_rec(r, i, f"ftar:{quorum}:{i}", seq, t + 0.2, t + 0.3))
     core.collectives(recs)
 
 

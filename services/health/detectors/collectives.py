@@ -227,6 +227,16 @@ class CollectiveIndex:
 
     def _leave_group(self, rank: RankId, group: str) -> None:
         """`rank` is no longer a member of `group`."""
+        self._unlink(rank, group)
+        self.members[group].discard(rank)
+        for inst in list(self.open[group].values()):
+            inst.entered.pop(rank, None)
+            inst.left.pop(rank, None)
+            self.ages.touched((group, inst.seq))
+            self._maybe_complete(inst)
+
+    def _unlink(self, rank: RankId, group: str) -> None:
+        """Drops `group` from the rank's own indexes (its groups, where it is inside)."""
         groups = self.rank_groups.get(rank)
         if groups is not None:
             groups.pop(group, None)
@@ -235,12 +245,6 @@ class CollectiveIndex:
         where = self.inside.get(rank)
         if where is not None and where[0] == group:
             del self.inside[rank]
-        self.members[group].discard(rank)
-        for inst in list(self.open[group].values()):
-            inst.entered.pop(rank, None)
-            inst.left.pop(rank, None)
-            self.ages.touched((group, inst.seq))
-            self._maybe_complete(inst)
 
     def expire(self, now: float) -> None:
         """Forget open collectives older than the retention (groups of a dead quorum), and the
@@ -267,14 +271,7 @@ class CollectiveIndex:
     def _forget(self, group: str) -> None:
         """The group and everything it holds (by now, dead collectives of an old quorum)."""
         for rank in self.members.pop(group):
-            groups = self.rank_groups.get(rank)
-            if groups is not None:
-                groups.pop(group, None)
-                if not groups:
-                    del self.rank_groups[rank]
-            where = self.inside.get(rank)
-            if where is not None and where[0] == group:
-                del self.inside[rank]
+            self._unlink(rank, group)
         for seq in self.open.pop(group):
             self.ages.closed((group, seq))
         self._done.pop(group, None)
