@@ -213,22 +213,28 @@ class FingerprintRecord(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
+    QUORUM_ID_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica."""
     step: _builtins.int
     """The step the digest was taken at (>= 0)."""
     digest: _builtins.str
     """The digest (1..128 printable characters)."""
+    quorum_id: _builtins.int
+    """The quorum the step was committed in (0: not sent). Digests are compared only within one
+    quorum: after a rollback to a durable checkpoint a step is trained again, in a newer one.
+    """
     def __init__(
         self,
         *,
         replica_id: _builtins.str = ...,
         step: _builtins.int = ...,
         digest: _builtins.str = ...,
+        quorum_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "quorum_id", b"quorum_id", "replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

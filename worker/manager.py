@@ -448,7 +448,7 @@ class Manager:
             without_control_plane=plan.fallback,
         )
         self._last_outcome = outcome
-        self._report_step(committed, seconds)
+        self._report_step(committed, seconds, plan.quorum_id)
         if self.metrics is not None:
             self.metrics.committed(
                 seconds=seconds,
@@ -516,7 +516,7 @@ class Manager:
         self._faults.delay("slow_fetch", self.step)
         return self._peer_state.fetch_peer(plan.sources, plan.max_step)
 
-    def _report_step(self, step: int, seconds: dict[str, float]) -> None:
+    def _report_step(self, step: int, seconds: dict[str, float], quorum_id: int) -> None:
         started, self._step_started = self._step_started, None
         (tokens, sum_seq_len_sq), self._work = self._work, (0, 0)
         if not self._telemetry.enabled or started is None:
@@ -532,7 +532,8 @@ class Manager:
             sum_seq_len_sq=sum_seq_len_sq,
         )
         if self._telemetry.wants_fingerprint(step):
-            self._telemetry.fingerprint(step, fingerprint(self._state.core_tensors()))
+            digest = fingerprint(self._state.core_tensors())
+            self._telemetry.fingerprint(step, digest, quorum_id)
 
     # ---- ring ----------------------------------------------------------------------------
 

@@ -83,10 +83,10 @@ class StepTelemetry:
             and (step % self._every == 0)
         )
 
-    def fingerprint(self, step: int, digest: str) -> None:
-        """The replica's state digest after committing `step`."""
+    def fingerprint(self, step: int, digest: str, quorum_id: int) -> None:
+        """The replica's state digest after committing `step` in quorum `quorum_id`."""
         if self._client is not None:
-            self._client.fingerprint(step, digest)
+            self._client.fingerprint(step, digest, quorum_id=quorum_id)
 
     def close(self) -> None:
         """Flushes briefly and stops (a clean exit: no incident)."""

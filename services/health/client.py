@@ -169,9 +169,10 @@ class TelemetryClient:
         if inflight is not None:
             self._put(("collective", *inflight, ended_at))
 
-    def fingerprint(self, step: int, digest: str) -> None:
-        """A digest of the replica's parameters at `step` (identical on healthy replicas)."""
-        self._put(("fingerprint", step, digest))
+    def fingerprint(self, step: int, digest: str, *, quorum_id: int = 0) -> None:
+        """A digest of the replica's parameters at `step`, committed in quorum `quorum_id`
+        (identical on the healthy replicas of that quorum)."""
+        self._put(("fingerprint", step, digest, quorum_id))
 
     def _put(self, item: tuple[Any, ...]) -> None:
         try:
@@ -305,11 +306,12 @@ class TelemetryClient:
             elif kind == "collective":
                 record = self._collective(request, *item[1:])
             else:
-                _, step, digest = item
+                _, step, digest, quorum_id = item
                 request.fingerprints.add(
                     replica_id=self._rank.replica_id,
                     step=check_step(step),
                     digest=check_id(digest, "digest"),
+                    quorum_id=check_count(quorum_id, "quorum_id"),
                 )
                 return True
         except (HealthError, TypeError, ValueError):

@@ -197,6 +197,7 @@ def _fingerprint(msg: pb.FingerprintRecord) -> Fingerprint:
         replica_id=check_id(msg.replica_id),
         step=check_step(msg.step),
         digest=check_id(msg.digest, "fingerprint.digest"),
+        quorum_id=check_count(msg.quorum_id, "fingerprint.quorum_id"),
     )
 
 
@@ -322,7 +323,10 @@ def collective_to_pb(record: CollectiveRecord) -> pb.CollectiveRecord:
 
 def fingerprint_to_pb(record: Fingerprint) -> pb.FingerprintRecord:
     return pb.FingerprintRecord(
-        replica_id=record.replica_id, step=record.step, digest=record.digest
+        replica_id=record.replica_id,
+        step=record.step,
+        digest=record.digest,
+        quorum_id=record.quorum_id,
     )
 
 

@@ -89,6 +89,8 @@ class Fingerprint:
     replica_id: str
     step: int
     digest: str
+    quorum_id: int = 0
+    """The quorum the step was committed in (0: unknown); see `SdcDetector`."""
 
 
 class IncidentKind(enum.StrEnum):

@@ -7,8 +7,8 @@ from fthsdp.services.health.detectors.sdc import SdcDetector
 from fthsdp.services.health.telemetry import Fingerprint
 
 
-def _fp(replica: str, step: int, digest: str) -> Fingerprint:
-    return Fingerprint(replica_id=replica, step=step, digest=digest)
+def _fp(replica: str, step: int, digest: str, quorum_id: int = 0) -> Fingerprint:
+    return Fingerprint(replica_id=replica, step=step, digest=digest, quorum_id=quorum_id)
 
 
 def test_the_odd_one_out_is_named_once_until_it_heals() -> None:
@@ -47,3 +47,20 @@ def test_a_step_waits_for_the_third_replica() -> None:
     assert det.check(1.0) == []
     det.add(_fp("c", 1, "x"))
     assert [i.replica_id for i in det.check(2.0)] == ["b"]
+
+
+def test_a_step_trained_again_after_a_rollback_is_judged_within_its_quorum() -> None:
+    """The job rolled back to a durable checkpoint: step 120 is trained again in quorum 6 with
+    other digests than in quorum 5. The first replica back must not be judged against the old
+    timeline (a false SDC verdict tore a healthy replica down); a real outlier in the new
+    quorum still is."""
+    det = SdcDetector(DetectorConfig())
+    for replica in ("a", "b", "c"):
+        det.add(_fp(replica, 120, "old", quorum_id=5))
+    assert det.check(1.0) == []
+    det.add(_fp("c", 120, "new", quorum_id=6))  # a and b still hold quorum 5's digests
+    assert det.check(2.0) == []
+    det.add(_fp("a", 120, "new", quorum_id=6))
+    det.add(_fp("b", 120, "bad", quorum_id=6))
+    (incident,) = det.check(3.0)
+    assert incident.replica_id == "b"

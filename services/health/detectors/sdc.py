@@ -5,7 +5,11 @@ corrupt.
 A step is judged only once `sdc_min_replicas` (>= 3) replicas reported it: with two, a mismatch
 has no majority and naming either would be a coin toss. With no strict majority (2 vs 2) nobody
 is named either. A corrupt replica is reported once, and again only after one of its
-fingerprints agreed with the majority (it healed) and a later one disagrees."""
+fingerprints agreed with the majority (it healed) and a later one disagrees.
+
+Digests are compared per (step, quorum): after the job rolled back to a durable checkpoint, a
+step is trained again in a newer quorum, with other members, and its new digests say nothing
+about the old ones (comparing them named a healthy replica corrupt, and tore it down)."""
 
 from __future__ import annotations
 
@@ -22,16 +26,19 @@ class SdcDetector:
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
-        self._steps: dict[int, dict[str, str]] = {}
-        self._dirty: set[int] = set()
+        self._steps: dict[tuple[int, int], dict[str, str]] = {}
+        """(step, quorum id) -> replica -> digest."""
+        self._dirty: set[tuple[int, int]] = set()
         self._reported: set[str] = set()
 
     def add(self, fp: Fingerprint) -> None:
         """A replica's digest at a step (a later one for the same step replaces it)."""
-        if self._steps and fp.step <= max(self._steps) - self.config.sdc_window_steps:
+        newest = max((step for step, _ in self._steps), default=None)
+        if newest is not None and fp.step <= newest - self.config.sdc_window_steps:
             return  # older than anything still judged
-        self._steps.setdefault(fp.step, {})[fp.replica_id] = fp.digest
-        self._dirty.add(fp.step)
+        key = (fp.step, fp.quorum_id)
+        self._steps.setdefault(key, {})[fp.replica_id] = fp.digest
+        self._dirty.add(key)
         while len(self._steps) > self.config.sdc_window_steps:
             oldest = min(self._steps)
             del self._steps[oldest]
@@ -44,12 +51,12 @@ class SdcDetector:
     def check(self, now: float) -> list[Incident]:
         """New SDC incidents from the steps that received fingerprints since the last call."""
         found = []
-        for step in sorted(self._dirty):
-            digests = self._steps[step]
+        for key in sorted(self._dirty):
+            digests = self._steps[key]
             if len(digests) < self.config.sdc_min_replicas:
                 continue  # keep it dirty: more replicas may report it
-            self._dirty.discard(step)
-            found += self._judge(step, digests, now)
+            self._dirty.discard(key)
+            found += self._judge(key[0], digests, now)
         return found
 
     def _judge(self, step: int, digests: dict[str, str], now: float) -> list[Incident]:
