@@ -100,7 +100,8 @@ def _warm(proc: subprocess.Popen[bytes]) -> bool:
 
 def assign(proc: subprocess.Popen[bytes], identity: Sequence[str]) -> None:
     """Hands a taken spare its identity (the rest of its command line)."""
-    assert proc.stdin is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdout.close()  # it said "warm"; nothing more is read from it
     try:
         proc.stdin.write(json.dumps(list(identity)).encode() + b"\n")
         proc.stdin.close()
