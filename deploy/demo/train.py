@@ -135,7 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _take_identity(argv: list[str]) -> argparse.Namespace | None:
     """A spare's wait: its full arguments once the launcher hands it an identity, or None when
     the launcher closes the pipe instead (the pool is being emptied)."""
-    print("warm", flush=True)  # the launcher starts the next spare only after this line
+    try:
+        print("warm", flush=True)  # the launcher starts the next spare only after this line
+    except BrokenPipeError:
+        pass  # taken before it was warm: the launcher closed the pipe, the identity is coming
     line = sys.stdin.readline()
     if not line:
         return None
