@@ -8,6 +8,7 @@ MASTER_ADDR/MASTER_PORT when the flags are absent. The replica leader appends JS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -135,10 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _take_identity(argv: list[str]) -> argparse.Namespace | None:
     """A spare's wait: its full arguments once the launcher hands it an identity, or None when
     the launcher closes the pipe instead (the pool is being emptied)."""
-    try:
-        print("warm", flush=True)  # the launcher starts the next spare only after this line
-    except BrokenPipeError:
-        pass  # taken before it was warm: the launcher closed the pipe, the identity is coming
+    # The launcher starts the next spare only after this line; one taken before it was warm
+    # finds the pipe closed, and its identity is coming anyway.
+    with contextlib.suppress(BrokenPipeError):
+        print("warm", flush=True)
     line = sys.stdin.readline()
     if not line:
         return None
