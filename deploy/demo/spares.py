@@ -35,18 +35,20 @@ class SparePool:
         self._started = 0
         self.taken = 0
         """Spares handed out so far."""
+        self._warm: set[int] = set()
+        """Pids of spares that said they are ready."""
 
     @property
     def warm(self) -> int:
         """Spares ready to take over now."""
-        return sum(1 for proc in self._procs if proc.poll() is None and _warm(proc))
+        return sum(1 for proc in self._procs if proc.poll() is None and self._is_warm(proc))
 
     def refill(self) -> None:
         """Forgets spares that died and starts a new one when the pool is short, one at a
         time: a spare warming up takes a core for seconds, and on a small host several at once
         would starve the training ranks (their heartbeats, their steps)."""
         self._procs = [proc for proc in self._procs if proc.poll() is None]
-        if len(self._procs) >= self.size or any(not _warm(p) for p in self._procs):
+        if len(self._procs) >= self.size or any(not self._is_warm(p) for p in self._procs):
             return
         self._started += 1
         with (self._log_dir / f"spare-{self._started}.log").open("ab") as out:
@@ -61,12 +63,26 @@ class SparePool:
         os.set_blocking(proc.stdout.fileno(), False)
         self._procs.append(proc)
 
+    def _is_warm(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether the spare said it is ready (its first stdout line); remembered once seen."""
+        if proc.pid in self._warm:
+            return True
+        assert proc.stdout is not None
+        try:
+            said = bool(proc.stdout.read())
+        except (BlockingIOError, ValueError):  # nothing yet; or the pipe is closed
+            said = False
+        if said:
+            self._warm.add(proc.pid)
+        return said
+
     def take(self, n: int) -> list[subprocess.Popen[bytes]] | None:
         """`n` spares, the oldest first, or None (and none taken) if fewer are alive."""
         self._procs = [proc for proc in self._procs if proc.poll() is None]
         if n < 1 or len(self._procs) < n:
             return None
         taken, self._procs = self._procs[:n], self._procs[n:]
+        self._warm -= {proc.pid for proc in taken}
         self.taken += n
         return taken
 
@@ -82,20 +98,6 @@ class SparePool:
             if proc.stdout is not None:
                 proc.stdout.close()
         self._procs = []
-
-
-def _warm(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the spare said it is ready (its first stdout line); remembered once seen."""
-    if getattr(proc, "fthsdp_warm", False):
-        return True
-    assert proc.stdout is not None
-    try:
-        warm = bool(proc.stdout.read())
-    except (BlockingIOError, ValueError):  # nothing yet; or the pipe is closed
-        warm = False
-    if warm:
-        proc.fthsdp_warm = True  # type: ignore[attr-defined]
-    return warm
 
 
 def assign(proc: subprocess.Popen[bytes], identity: Sequence[str]) -> None:

@@ -8,7 +8,13 @@ from fthsdp.services.health.core import HealthCore
 from fthsdp.services.health.detectors.collectives import CollectiveIndex
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.telemetry import CollectiveRecord, IncidentKind, RankId
-from tests.unit.test_health_detectors_hang import CFG, _beat, _healthy_round, _rec
+from tests.unit.test_health_detectors_hang import (
+    CFG,
+    _a1_never_enters,
+    _beat,
+    _healthy_round,
+    _rec,
+)
 
 RETENTION = CFG.collective_retention_s
 BOUND = CFG.collective_groups_per_rank
@@ -236,15 +242,7 @@ def test_a_named_culprit_stays_down_while_its_hang_is_open_and_no_longer() -> No
     bookkeeping of who is hung must follow the collectives closing."""
     core = HealthCore(CFG)
     _healthy_round(core, 0, 0.0)
-    core.collectives(
-        [
-            _rec("a", 0, "replica:a", 1, 1.0, None),
-            _rec("b", 0, "replica:b", 1, 1.0, 1.1),
-            _rec("b", 1, "replica:b", 1, 1.0, 1.1),
-            _rec("b", 0, "ftar:1:0", 1, 1.2, None),
-            _rec("b", 1, "ftar:1:1", 1, 1.2, None),
-        ]
-    )
+    _a1_never_enters(core)
     _beat_all(core, 6.4)
     found = core.evaluate(6.5)
     assert [(i.kind, i.replica_id, i.rank) for i in found] == [(IncidentKind.HANG, "a", 1)]

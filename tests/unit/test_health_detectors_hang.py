@@ -35,10 +35,8 @@ def _healthy_round(core: HealthCore, seq: int, t: float, quorum: int = 1) -> Non
     core.collectives(recs)
 
 
-def test_rank_that_never_entered_is_named_through_the_graph() -> None:
-    core = HealthCore(CFG)
-    _healthy_round(core, 0, 0.0)
-    # Rank 1 of replica a never enters intra #1; a/0 blocks in it; b's ranks block in rings.
+def _a1_never_enters(core: HealthCore) -> None:
+    """Rank 1 of replica a never enters intra #1; a/0 blocks in it; b's ranks block in rings."""
     core.collectives(
         [
             _rec("a", 0, "replica:a", 1, 1.0, None),
@@ -48,6 +46,12 @@ def test_rank_that_never_entered_is_named_through_the_graph() -> None:
             _rec("b", 1, "ftar:1:1", 1, 1.2, None),
         ]
     )
+
+
+def test_rank_that_never_entered_is_named_through_the_graph() -> None:
+    core = HealthCore(CFG)
+    _healthy_round(core, 0, 0.0)
+    _a1_never_enters(core)
     assert core.evaluate(5.0) == []  # nothing open for 5 s yet
     found = core.evaluate(6.5)
     assert [(i.kind, i.replica_id, i.rank) for i in found] == [(IncidentKind.HANG, "a", 1)]
