@@ -10,6 +10,8 @@ With `failure_action` "kill" the report asks for a teardown, and the agent follo
 service's events: a replica evicted with a teardown (by this agent, another one, or the central
 service's hang verdict) has its processes on this host killed, by the pids its ranks registered
 (`teardown`), so its process manager restarts it now rather than after a collective timeout.
+A rank this agent finds silent has its replica torn down here whatever the quorum service
+answers: one already evicted by the service's own heartbeat timeout was evicted without one.
 
 Everything else (step, collective and fingerprint records, clean departures) is buffered and
 forwarded to the central service every `forward_interval` with the node's compact state (its
@@ -207,8 +209,11 @@ class NodeAgent:
                 reporter=f"fthsdp-health-agent:{self._config.node}",
                 teardown=self._kills,
             )
-            if outcome == "evicted" and self._kills:
-                # Not only through the event stream, which may be reconnecting right now.
+            if self._kills:
+                # Whatever the answer: the quorum service may have evicted the replica already
+                # by its own heartbeat timeout, which asks for no teardown ("already_gone"), or
+                # be unreachable, and a stopped rank here would then stay stopped for good. And
+                # not only through the event stream, which may be reconnecting right now.
                 await self.teardown(incident.replica_id)
             last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
             latency = self._clock() - last_beat

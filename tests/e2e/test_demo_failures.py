@@ -130,11 +130,13 @@ def test_kill_during_catch_up_and_of_a_source_still_converges(
     demo: DemoRunner, tmp_path: Path
 ) -> None:
     """I1 + I2 when a recovering replica dies while fetching (r1, at its first catch-up) and a
-    source dies right after publishing its snapshot for it (r0)."""
+    source dies right after publishing its snapshot for it (r0). The kill at step 10 is what
+    makes r1 recover; on a loaded machine r1 can instead start after the first quorum formed
+    without it, catch up at once and die there, and then be restarted past step 10."""
     report = demo(faults="r1:0:10:commit,r1:0:*:fetch,r0:0:*:serve", duration=timedelta(seconds=25))
     _assert_i1_i2(report)
-    fired = sorted(p.name for p in (tmp_path / "run" / "faults").iterdir())
-    assert fired == ["fault-r0-0-any-serve", "fault-r1-0-10-commit", "fault-r1-0-any-fetch"]
+    fired = {p.name for p in (tmp_path / "run" / "faults").iterdir()}
+    assert {"fault-r0-0-any-serve", "fault-r1-0-any-fetch"} <= fired, fired
     recovered = [c for c in _commit_lines(tmp_path / "run") if c["recovered"]]
     assert {c["replica"] for c in recovered} >= {"r1"}
 

@@ -206,6 +206,28 @@ async def test_a_stopped_rank_has_its_replicas_processes_killed_by_its_agent(
             await client.close()
 
 
+async def test_a_stopped_rank_is_killed_even_when_its_replica_was_evicted_already(
+    spawn: Spawn, token: str, make_quorum_server: QuorumServerFactory
+) -> None:
+    """The quorum service's own heartbeat timeout may evict the replica first, with no teardown
+    asked (a slow replica rejoins by itself): the agent's report then finds it gone, and the
+    agent still kills the stopped rank's replica, else it would stay stopped for good."""
+    quorum = await make_quorum_server(heartbeat_timeout=timedelta(seconds=30))
+    async with health_nodes(token) as make:
+        central, agent, client = await _teardown_stack(make, quorum.address, token)
+        try:
+            r1 = [spawn(agent.grpc_address, "r1", "--rank", str(rank)) for rank in (0, 1)]
+            await _all_running(agent, 2)
+            assert await client.report_failure("r1", "silent", reporter="quorum-heartbeat")
+
+            r1[1].send_signal(signal.SIGSTOP)
+            assert await _exit_codes(r1) == [-signal.SIGTERM, -signal.SIGKILL]
+            found = await _incident_naming(central, {IncidentKind.FAIL_STOP}, "r1")
+            assert (found.evidence["quorum"], found.evidence["action"]) == ("already_gone", "kill")
+        finally:
+            await client.close()
+
+
 async def test_a_teardown_asked_by_anyone_else_reaches_the_agent_through_the_event_stream(
     spawn: Spawn, token: str, make_quorum_server: QuorumServerFactory
 ) -> None:
