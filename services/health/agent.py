@@ -81,6 +81,8 @@ class NodeAgent:
         self._detector = FailStopDetector(config.heartbeat_timeout.total_seconds())
         self._pids: dict[RankId, ProcessRef] = {}
         """The process each local rank registered in its latest heartbeat."""
+        self._since: dict[RankId, float] = {}
+        """When each local rank's current process first beat (its own clock, as `at`)."""
         self._records: deque[Any] = deque()
         self._incidents: deque[Incident] = deque(maxlen=_MAX_HELD_INCIDENTS)
         self._dropped = 0
@@ -103,10 +105,14 @@ class NodeAgent:
         for hb in batch.heartbeats:
             self._detector.beat(hb)
             if hb.pid:
-                self._pids[hb.rank] = ProcessRef(hb.pid, hb.pid_start)
+                ref = ProcessRef(hb.pid, hb.pid_start)
+                if self._pids.get(hb.rank) != ref:
+                    self._since[hb.rank] = hb.at
+                self._pids[hb.rank] = ref
         for rank in batch.left:
             self._detector.leave(rank)
             self._pids.pop(rank, None)
+            self._since.pop(rank, None)
         self._buffer(batch.steps)
         self._buffer(batch.collectives)
         self._buffer(batch.fingerprints)
@@ -209,13 +215,13 @@ class NodeAgent:
                 reporter=f"fthsdp-health-agent:{self._config.node}",
                 teardown=self._kills,
             )
+            last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
             if self._kills:
                 # Whatever the answer: the quorum service may have evicted the replica already
                 # by its own heartbeat timeout, which asks for no teardown ("already_gone"), or
                 # be unreachable, and a stopped rank here would then stay stopped for good. And
                 # not only through the event stream, which may be reconnecting right now.
-                await self.teardown(incident.replica_id)
-            last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
+                await self.teardown(incident.replica_id, started_by=last_beat)
             latency = self._clock() - last_beat
             if outcome == "evicted":
                 self._metrics.detection_seconds.observe(latency)
@@ -234,15 +240,25 @@ class NodeAgent:
             except Exception:
                 log.exception("teardown of %s failed", replica_id)
 
-    async def teardown(self, replica_id: str) -> list[int]:
+    async def teardown(self, replica_id: str, *, started_by: float | None = None) -> list[int]:
         """Kills the local processes of `replica_id` (SIGTERM, then SIGKILL after the grace)
         and stops tracking its ranks, so their silence is no new incident here (the central
         service still sees them go, and shows the replica down); returns the pids signalled. A
-        no-op for a replica with no rank here (or one torn down already)."""
-        ranks = [r for r in self._detector.tracked() if r.replica_id == replica_id]
+        no-op for a replica with no rank here (or one torn down already).
+
+        With `started_by` (the silent rank's last beat), only processes that were beating by
+        then go: the silent one's incarnation. A rank whose process started later is the next
+        incarnation already (a warm spare takes over within the heartbeat timeout)."""
+        ranks = [
+            r
+            for r in self._detector.tracked()
+            if r.replica_id == replica_id
+            and (started_by is None or self._since.get(r, started_by) <= started_by)
+        ]
         refs = [self._pids.pop(r) for r in ranks if r in self._pids]
         for rank in ranks:
             self._detector.leave(rank)
+            self._since.pop(rank, None)
         if not ranks:
             return []
         pids = await kill(refs, self._config.kill_grace.total_seconds())

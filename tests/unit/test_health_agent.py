@@ -8,7 +8,11 @@ import asyncio
 import time
 from datetime import timedelta
 
+import pytest
+
+from fthsdp.services.common.process_ref import ProcessRef
 from fthsdp.services.common.tokens import Token
+from fthsdp.services.health import agent as agent_module
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.client_codec import ReportBatch, batch_from_pb, batch_to_pb
 from fthsdp.services.health.config import HealthConfig
@@ -17,7 +21,8 @@ from fthsdp.services.health.telemetry import Heartbeat, RankId, StepRecord
 
 
 class FakeQuorum:
-    def __init__(self) -> None:
+    def __init__(self, outcome: str = "evicted") -> None:
+        self.outcome = outcome
         self.reports: list[tuple[str, str]] = []
         self.teardowns: list[bool] = []
 
@@ -26,7 +31,7 @@ class FakeQuorum:
     ) -> str:
         self.reports.append((replica_id, reporter))
         self.teardowns.append(teardown)
-        return "evicted"
+        return self.outcome
 
 
 class Clock:
@@ -118,3 +123,38 @@ async def test_the_node_state_names_each_ranks_process_through_the_wire() -> Non
     assert decoded.node is not None
     assert [(r.rank, r.process) for r in decoded.node.ranks] == [(rank, "p-2")]
     assert [h.process for h in decoded.heartbeats] == ["p-2"]
+
+
+async def test_a_silent_ranks_teardown_spares_the_next_incarnation_whatever_the_quorum_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 of r1 goes silent; rank 0 is a new process by then (a spare took over), and the
+    quorum service had evicted r1 already by its own heartbeat timeout. The agent still kills
+    the silent incarnation's process, and only that one."""
+    killed: list[list[ProcessRef]] = []
+
+    async def record(refs: list[ProcessRef], grace_s: float) -> list[int]:
+        killed.append(list(refs))
+        return [ref.pid for ref in refs]
+
+    monkeypatch.setattr(agent_module, "kill", record)
+    agent, quorum, clock = _agent()
+    quorum.outcome = "already_gone"
+
+    def beat(rank: int, pid: int) -> Heartbeat:
+        return Heartbeat(
+            rank=RankId(replica_id="r1", rank=rank), host="n1", step=5, at=clock.now, pid=pid
+        )
+
+    await agent.ingest(ReportBatch(source="x", host="n1", heartbeats=(beat(0, 100), beat(1, 101))))
+    clock.now += 0.3
+    await agent.ingest(ReportBatch(source="x", host="n1", heartbeats=(beat(0, 200),)))
+    clock.now += 0.3  # rank 1 silent for 0.6 s > 0.5 s
+    (found,) = agent.check_once()
+    assert found.rank == 1
+    deadline = time.monotonic() + 5
+    while not killed:  # the report, then the kill, run as a task on this loop
+        assert time.monotonic() < deadline, "the silent rank was never killed"
+        await asyncio.sleep(0.001)
+    assert killed == [[ProcessRef(101, 0)]]
+    assert [r.rank.rank for r in agent.node_state().ranks] == [0]  # the new process is kept
