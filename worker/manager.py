@@ -136,7 +136,10 @@ class Manager:
         )
         self.metrics = (
             WorkerMetrics(
-                host=config.metrics_host, port=config.metrics_port, replica_id=config.replica_id
+                host=config.metrics_host,
+                port=config.metrics_port,
+                replica_id=config.replica_id,
+                token=config.token,
             )
             if group.is_leader and config.metrics_port is not None
             else None

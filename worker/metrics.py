@@ -2,13 +2,15 @@
 
 Only rank 0 serves them: the step protocol is per replica, so one scrape target per replica says
 what its ranks did. The endpoint is the services' admin server (`/metrics`, `/livez`, `/readyz`),
-bound to `metrics_host` (127.0.0.1 unless told otherwise); it serves counters, never state."""
+bound to `metrics_host` (127.0.0.1 unless told otherwise); it serves counters, never state, to
+scrapers that present the job's token (as every fthsdp service's /metrics)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from fthsdp.services.common.admin import AdminServer
+from fthsdp.services.common.tokens import Token
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -16,7 +18,7 @@ _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class WorkerMetrics:
     """The leader's step metrics and the HTTP endpoint that serves them."""
 
-    def __init__(self, *, host: str, port: int, replica_id: str) -> None:
+    def __init__(self, *, host: str, port: int, replica_id: str, token: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"replica": replica_id}
 
@@ -64,7 +66,9 @@ class WorkerMetrics:
             "fthsdp_worker_healthy_replicas",
             "Replicas whose gradients the last committed step averaged.",
         )
-        self._server = AdminServer(host, port, self.registry, lambda: True, name="worker-metrics")
+        self._server = AdminServer(
+            host, port, self.registry, lambda: True, token=Token(token), name="worker-metrics"
+        )
         self._server.start()
 
     @property

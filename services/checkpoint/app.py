@@ -1,7 +1,7 @@
 """The sidecar's HTTP wire (FastAPI): routes ↔ domain objects, one error table, auth, metrics.
 
-Everything under /v1 needs the bearer token; /livez, /readyz, /metrics and the OpenAPI pages do
-not (probes and scrapers carry no secrets, and they reveal nothing about the state). Bodies are
+Auth is the rule of every fthsdp HTTP endpoint (`services/common/http_auth.py`): the probes and
+the OpenAPI pages are open, everything else (/v1, /metrics) needs the bearer token. Bodies are
 bounded by Content-Length before they are read; every domain error maps through `ERROR_STATUS` to
 a JSON `{"error", "detail"}` body; anything unexpected is a 500 without a traceback."""
 
@@ -53,6 +53,7 @@ from fthsdp.services.checkpoint.core import PositionRecord, check_position, pars
 from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
+from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
 from fthsdp.services.common.parse import MAX_STEP, ascii_int
 from fthsdp.services.common.tokens import Token
@@ -186,7 +187,7 @@ class GuardMiddleware:
 
     def _refuse(self, scope: Scope) -> JSONResponse | None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"].startswith("/v1/") and not self.services.token.accepts(
+        if scope["path"] not in OPEN_PATHS and not self.services.token.accepts(
             headers.get("authorization")
         ):
             return error_response(401, "unauthorized", "missing or wrong bearer token")

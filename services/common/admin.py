@@ -1,5 +1,8 @@
 """The admin HTTP endpoint of a service: /metrics (Prometheus), /livez, /readyz.
 
+Auth: the rule of every fthsdp HTTP endpoint (`http_auth`): the probes are open, /metrics needs
+the bearer token.
+
 A stdlib threaded HTTP server: it must answer even while the event loop is busy, and it needs no
 dependency beyond prometheus_client."""
 
@@ -15,6 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from fthsdp.services.common.http_auth import OPEN_PATHS, UNAUTHORIZED_BODY
+from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +95,11 @@ class AdminServer:
         registry: CollectorRegistry,
         ready: Callable[[], bool],
         *,
+        token: Token,
         name: str = "admin",
     ) -> None:
         self._name = name
+        self._token = token
         self._registry = registry
         self._ready = ready
         self._httpd = _BoundedServer((host, port), self._handler_class())
@@ -128,7 +136,13 @@ class AdminServer:
             timeout = CLIENT_TIMEOUT_S
 
             def do_GET(self) -> None:
-                if self.path == "/metrics":
+                if self.path not in OPEN_PATHS and not admin._token.accepts(
+                    self.headers.get("authorization")
+                ):
+                    self._send(
+                        401, UNAUTHORIZED_BODY, "application/json", {"WWW-Authenticate": "Bearer"}
+                    )
+                elif self.path == "/metrics":
                     self._send(200, generate_latest(admin._registry), CONTENT_TYPE_LATEST)
                 elif self.path == "/livez":
                     self._send(200, b"ok\n", "text/plain")
@@ -140,9 +154,17 @@ class AdminServer:
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
-            def _send(self, status: int, body: bytes, content_type: str) -> None:
+            def _send(
+                self,
+                status: int,
+                body: bytes,
+                content_type: str,
+                headers: dict[str, str] | None = None,
+            ) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

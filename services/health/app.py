@@ -1,11 +1,11 @@
 """The health service's HTTP wire (FastAPI): the read API, detector settings, the dashboard,
 probes and metrics; and `HttpServer`, uvicorn embedded in the service's own event loop.
 
-Auth: everything needs the bearer token except /livez, /readyz, the dashboard shell and its
-static files (the page reads the token from its URL fragment, `#token=...`, which browsers never
-send to the server, and presents it as an Authorization header on its API calls), and the OpenAPI
-schema pages (they describe the API, not the job). /metrics needs the token: scrapers send it with
-`authorization` (Prometheus `bearer_token_file`).
+Auth is the rule of every fthsdp HTTP endpoint (`services/common/http_auth.py`: the probes and
+the OpenAPI pages are open, everything else, /metrics included, needs the bearer token), plus the
+dashboard shell and its static files (the page reads the token from its URL fragment,
+`#token=...`, which browsers never send to the server, and presents it as an Authorization header
+on its API calls).
 
 Errors: one table (`ERROR_STATUS`) from domain errors to statuses; every error body is JSON
 `{"error": code, "detail": text}`; malformed parameters are 400 `invalid_argument`; anything
@@ -31,6 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
 from fthsdp.services.common.http_limits import MAX_HEADER_BYTES, BoundedH11Protocol
 from fthsdp.services.common.parse import ascii_int
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 64 * 1024
-_OPEN_PATHS = frozenset({"/livez", "/readyz", "/", "/dashboard", "/openapi.json", "/docs"})
+_OPEN_PATHS = OPEN_PATHS | {"/", "/dashboard"}
 
 ERROR_STATUS: dict[type[HealthError], int] = {
     InvalidReportError: 400,

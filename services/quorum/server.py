@@ -300,6 +300,7 @@ class QuorumServer:
                 self.config.admin_port,
                 self.metrics.registry,
                 self.is_serving,
+                token=self._token,
                 name="quorum-admin",
             )
             self._admin.start()

@@ -387,7 +387,7 @@ def test_metrics_count_requests_and_bytes(sidecars: Start, token: str) -> None:
     fetch_snapshot(
         [Source(server.url, "r0")], job=JOB, rank=0, step=1, token=token, deadline=DEADLINE
     )
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {token}"}).text
     assert "# HELP fthsdp_checkpoint_requests_total" in text
     assert 'fthsdp_checkpoint_requests_total{route="snapshot_data",status="206"} 1.0' in text
     assert "fthsdp_checkpoint_served_bytes_total 4000.0" in text

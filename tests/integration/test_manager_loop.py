@@ -5,6 +5,7 @@ when backward returns, user state travels with catch-up (I1), skipped and accumu
 from __future__ import annotations
 
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,15 @@ def test_the_leader_serves_prometheus_metrics_when_asked(tmp_path: Path) -> None
             _train_step(manager, optimizer, 0)
         assert manager.metrics is not None
         url = f"http://{manager.metrics.address}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=5)
+        refused.value.close()
+        assert refused.value.code == 401
+        scrape = urllib.request.Request(
+            url, headers={"authorization": f"Bearer {manager.config.token}"}
+        )
+        with urllib.request.urlopen(scrape, timeout=5) as response:  # noqa: S310
+            text = response.read().decode()
     assert 'fthsdp_worker_commits_total{replica="r0"} 3.0' in text
     assert 'fthsdp_worker_step_seconds_count{replica="r0"} 3.0' in text
     assert 'fthsdp_worker_healthy_replicas{replica="r0"} 1.0' in text

@@ -221,8 +221,11 @@ async def test_graceful_stop_releases_waiters_and_is_idempotent(
 ) -> None:
     server = await make_quorum_server()
     admin = f"http://{server.admin_address}"
+    scrape = urllib.request.Request(  # noqa: S310
+        f"{admin}/metrics", headers={"authorization": f"Bearer {token}"}
+    )
     body = await asyncio.to_thread(
-        lambda: urllib.request.urlopen(f"{admin}/metrics").read()  # noqa: S310
+        lambda: urllib.request.urlopen(scrape).read()  # noqa: S310
     )
     assert b"fthsdp_quorum_joins_total" in body
     client = AsyncQuorumClient(server.address, token)

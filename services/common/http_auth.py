@@ -1,0 +1,16 @@
+"""The one auth rule of every fthsdp HTTP endpoint (quorum admin, health, checkpoint, a worker's
+metrics): the paths in `OPEN_PATHS` are answered without the bearer token, everything else,
+/metrics and /v1 included, needs it (Prometheus sends it with `authorization.credentials_file`).
+The health service's dashboard shell is the one addition (`services/health/app.py`): a static
+page that reads the token from its URL fragment and carries no data itself."""
+
+from __future__ import annotations
+
+OPEN_PATHS = frozenset(
+    {"/livez", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+"""The probes (an orchestrator's liveness check carries no token) and the API's description
+(it describes the API, not the job)."""
+
+UNAUTHORIZED_BODY = b'{"error":"unauthorized","detail":"missing or wrong bearer token"}'
+"""The 401 body, the same JSON error shape as every other error of these services."""
