@@ -3,15 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck unit protos
+.PHONY: setup setup-test demo test lint typecheck unit protos
 
 setup:
 	@bash scripts/bootstrap.sh
 
+setup-test:
+	@bash scripts/bootstrap.sh test
+
 demo: setup
 	$(BIN)/fthsdp demo $(ARGS)
 
-test: setup
+test: setup-test
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy

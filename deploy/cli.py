@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -182,16 +183,28 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if all(v.get("ok") for v in invariants.values()) else 1
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when run from a tree never installed)."""
+    try:
+        return importlib.metadata.version("fthsdp")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     # gRPC's informational lines (fork notices whenever the launcher starts a process) would
     # drown the demo's output; an explicit GRPC_VERBOSITY still wins.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = argparse.ArgumentParser(prog="fthsdp", description="fault-tolerant HSDP training")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"fthsdp {_version()}")
+    sub = parser.add_subparsers(dest="command")
     _demo_parser(sub)
     add_up_parser(sub)
     status_cmd.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command is None:  # a first look: what there is to run
+        parser.print_help()
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
         if args.command == "up":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares a fresh machine for fthsdp: a virtual environment in .venv with the CPU build of torch,
-# the project with its dev extras, redis-server, and chromium (for the dashboard test).
-# Safe to run again; it skips what is done.
+# the project with its dev extras and redis-server; with the argument `test`, also chromium (the
+# dashboard test drives it; the demo never needs a browser). Safe to run again; it skips what is
+# done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +22,9 @@ apt_install() {
 }
 
 apt_install redis-server /usr/bin/redis-server  # the Redis store, standby quorum, tests
-apt_install chromium /usr/bin/chromium          # the dashboard test drives it headless
+if [ "${1:-}" = test ]; then
+  apt_install chromium /usr/bin/chromium        # the dashboard test drives it headless
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "bootstrap: creating $VENV" >&2

@@ -32,8 +32,8 @@ ARGS = [
 async def browser(tmp_path: Path) -> AsyncIterator[Any]:
     if not os.path.exists(CHROMIUM):
         if os.environ.get("CI"):
-            pytest.fail("chromium is missing: scripts/bootstrap.sh should have installed it")
-        pytest.skip("chromium is not installed (run scripts/bootstrap.sh)")
+            pytest.fail("chromium is missing: scripts/bootstrap.sh test should have installed it")
+        pytest.skip("chromium is not installed (run scripts/bootstrap.sh test)")
     playwright_api = pytest.importorskip("playwright.async_api")
     profile = tmp_path / "profile"
     async with playwright_api.async_playwright() as pw:
