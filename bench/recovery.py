@@ -78,7 +78,7 @@ TARGET_STALL_EXTRA_S = 1.0
 TARGET_OVERHEAD = 1.02
 """DESIGN.md: control-plane overhead on a fault-free step ≤ 2% over plain DDP/gloo."""
 FAILURE_METRICS = ("detection_s", "survivor_stall_s", "time_to_healthy_s")
-PHASE_KEYS = ("quorum", "exchange", "fetch", "commit")
+PHASE_KEYS = ("quorum", "ring", "exchange", "fetch", "commit")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -666,7 +666,8 @@ def render_overhead(result: dict[str, Any]) -> list[str]:
     lines.append(
         "  fthsdp per step (median ms): "
         + ", ".join(
-            f"{k} {_f(fph.get(k), '.1f', 1e3)}" for k in ("quorum", "exchange", "commit", "rest")
+            f"{k} {_f(fph.get(k), '.1f', 1e3)}"
+            for k in ("quorum", "ring", "exchange", "commit", "rest")
         )
         + "  (commit: gather inside the replica + optimizer; rest: data, forward, backward,"
         " the intra-replica sum)"

@@ -303,7 +303,7 @@ class Manager:
         """Exchanges the gradient and votes until the replica agrees (see `should_commit`),
         then writes the averaged gradient into `.grad`."""
         began = time.monotonic()
-        seconds = {"quorum": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
+        seconds = {"quorum": 0.0, "ring": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
         overlap, self._overlap = self._overlap, None
         if overlap is None:
             self.start_step()
@@ -316,6 +316,7 @@ class Manager:
                 if not captured:  # params without a gradient this step
                     self._exchange.capture_bucket(index)
             seconds["quorum"] += overlap.quorum_s
+            seconds["ring"] += overlap.ring_s
         for attempt in range(1, self.config.max_failed_commits + 1):
             if attempt == 1 and overlap is not None:
                 assert overlap.plan is not None  # else the hooks kept an error, raised above
@@ -352,7 +353,9 @@ class Manager:
         else whether this rank caught up from peers in this step (its state is loaded)."""
         ring_error = overlap.ring_error if overlap is not None else None
         if overlap is None:
+            t0 = time.monotonic()
             ring_error = self._prepare(plan)
+            seconds["ring"] += time.monotonic() - t0
         if ring_error is not None:
             # A peer vanished (or the watch aborted us) while connecting: this attempt fails,
             # but the vote still happens, so the replica's ranks stay in step.
@@ -503,7 +506,9 @@ class Manager:
         plan = self._plans.receive()
         overlap.quorum_s = time.monotonic() - t0
         overlap.plan = plan
+        t0 = time.monotonic()
         overlap.ring_error = self._prepare(plan)
+        overlap.ring_s = time.monotonic() - t0
         if overlap.ring_error is not None:
             return
         self._exchange.begin(
@@ -528,9 +533,10 @@ class Manager:
             step,
             started_at=started,
             committed=True,
-            # Waiting on others (the quorum, the ring, a catch-up fetch) is not this replica's
-            # own speed: the fail-slow detector subtracts it.
-            exchange_s=seconds["quorum"] + seconds["exchange"] + seconds["fetch"],
+            # Waiting on others (the quorum, the peers connecting a new ring, the ring, a
+            # catch-up fetch) is not this replica's own speed: the fail-slow detector
+            # subtracts it.
+            exchange_s=sum(seconds[phase] for phase in ("quorum", "ring", "exchange", "fetch")),
             tokens=tokens,
             sum_seq_len_sq=sum_seq_len_sq,
         )

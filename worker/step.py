@@ -30,7 +30,8 @@ class StepOutcome:
     attempts: int
     """Exchanges tried (1 unless a peer failed mid-exchange)."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of the phases: quorum, exchange, fetch, commit."""
+    """Wall time of the phases: quorum, ring (rebuilding it for a new quorum), exchange, fetch,
+    commit."""
     without_control_plane: bool = False
     """Committed on the previous quorum while the quorum service was unreachable."""
 
@@ -44,6 +45,7 @@ class OverlapState:
     captured: list[bool] = field(default_factory=list)
     plan: StepPlan | None = None
     quorum_s: float = 0.0
+    ring_s: float = 0.0
     ring_error: RecoverableFtarError | None = None
     launching: bool = False
     """The attempt has begun on the ring: captured buckets go out in bucket order."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -82,7 +83,10 @@ class NodeAgent:
         self._pids: dict[RankId, ProcessRef] = {}
         """The process each local rank registered in its latest heartbeat."""
         self._since: dict[RankId, float] = {}
-        """When each local rank's current process first beat (its own clock, as `at`)."""
+        """When each local rank's current process's first beat arrived (this agent's clock:
+        arrival order is the real order, where beat times rebased per batch may swap)."""
+        self._heard: dict[RankId, float] = {}
+        """When each local rank's latest beat arrived (this agent's clock)."""
         self._records: deque[Any] = deque()
         self._incidents: deque[Incident] = deque(maxlen=_MAX_HELD_INCIDENTS)
         self._dropped = 0
@@ -102,17 +106,23 @@ class NodeAgent:
 
     async def ingest(self, batch: ReportBatch) -> None:
         """Takes one validated batch from a local rank."""
-        for hb in batch.heartbeats:
+        arrived = self._clock()
+        for beat in batch.heartbeats:
+            # This agent's node name is the host everywhere (its node state, the central
+            # service's verdicts): a rank's own idea of its host name may differ.
+            hb = dataclasses.replace(beat, host=self._config.node)
             self._detector.beat(hb)
             if hb.pid:
                 ref = ProcessRef(hb.pid, hb.pid_start)
                 if self._pids.get(hb.rank) != ref:
-                    self._since[hb.rank] = hb.at
+                    self._since[hb.rank] = arrived
                 self._pids[hb.rank] = ref
+            self._heard[hb.rank] = arrived
         for rank in batch.left:
             self._detector.leave(rank)
             self._pids.pop(rank, None)
             self._since.pop(rank, None)
+            self._heard.pop(rank, None)
         self._buffer(batch.steps)
         self._buffer(batch.collectives)
         self._buffer(batch.fingerprints)
@@ -191,7 +201,10 @@ class NodeAgent:
         for incident in found:
             log.warning("incident: %s", incident.summary, extra={"replica_id": incident.replica_id})
             self._metrics.incidents.labels(kind=incident.kind.value).inc()
-            task = asyncio.create_task(self._report(incident))
+            heard = None
+            if incident.rank is not None:
+                heard = self._heard.get(RankId(replica_id=incident.replica_id, rank=incident.rank))
+            task = asyncio.create_task(self._report(incident, heard))
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
         self._metrics.ranks.set(len(self._detector.tracked()))
@@ -201,7 +214,9 @@ class NodeAgent:
     def _kills(self) -> bool:
         return self._config.failure_action == "kill"
 
-    async def _report(self, incident: Incident) -> None:
+    async def _report(self, incident: Incident, last_heard: float | None) -> None:
+        """Reports a rank found silent (its last beat arrived at `last_heard`) and, with
+        `failure_action` "kill", tears its replica's incarnation down here."""
         evidence: dict[str, Any] = {
             "found_by": f"agent:{self._config.node}",
             "policy": "evict",
@@ -221,7 +236,7 @@ class NodeAgent:
                 # by its own heartbeat timeout, which asks for no teardown ("already_gone"), or
                 # be unreachable, and a stopped rank here would then stay stopped for good. And
                 # not only through the event stream, which may be reconnecting right now.
-                await self.teardown(incident.replica_id, started_by=last_beat)
+                await self.teardown(incident.replica_id, started_by=last_heard)
             latency = self._clock() - last_beat
             if outcome == "evicted":
                 self._metrics.detection_seconds.observe(latency)
@@ -246,9 +261,12 @@ class NodeAgent:
         service still sees them go, and shows the replica down); returns the pids signalled. A
         no-op for a replica with no rank here (or one torn down already).
 
-        With `started_by` (the silent rank's last beat), only processes that were beating by
-        then go: the silent one's incarnation. A rank whose process started later is the next
-        incarnation already (a warm spare takes over within the heartbeat timeout)."""
+        With `started_by` (when the silent rank's last beat arrived), only processes that were
+        beating by then go: the silent one's incarnation. A rank whose process first beat later
+        is the next incarnation already (a warm spare takes over within the heartbeat
+        timeout). A sibling that first beat only after the silent rank's last beat (it died
+        while its replica was still starting) is spared too; the teardown event of the
+        eviction asked for takes it, or its process manager does."""
         ranks = [
             r
             for r in self._detector.tracked()
@@ -259,6 +277,7 @@ class NodeAgent:
         for rank in ranks:
             self._detector.leave(rank)
             self._since.pop(rank, None)
+            self._heard.pop(rank, None)
         if not ranks:
             return []
         pids = await kill(refs, self._config.kill_grace.total_seconds())

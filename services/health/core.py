@@ -30,7 +30,7 @@ from typing import Literal
 
 from fthsdp.services.health.detectors.collectives import CollectiveIndex
 from fthsdp.services.health.detectors.config import DetectorConfig
-from fthsdp.services.health.detectors.failslow import FailSlowDetector
+from fthsdp.services.health.detectors.failslow import FailSlowDetector, Judgement
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.detectors.hang import Hang, find_hangs
 from fthsdp.services.health.detectors.sdc import SdcDetector
@@ -71,6 +71,10 @@ class ReplicaView:
     fail-slow or SDC incident names it; "healthy" otherwise."""
     last_seen: float | None
     """The latest heartbeat of any of its ranks (None when only telemetry was seen)."""
+    fail_slow: Judgement = "warming_up"
+    """What the fail-slow detector can say of it: "warming_up" (fitting its predictor, also
+    after a restart), "no_peers" (no other replica judged over the same time: it cannot tell
+    this one's slowdown from the machine's, and stays silent), "judging", "slow"."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,6 +179,8 @@ class HealthCore:
         if old_process_last_beat is not None:
             self._collectives.leave(hb.rank)
             self._restarted_at[hb.rank] = old_process_last_beat
+            # Its first steps (catch-up, a cold allocator) are not its speed: warm up again.
+            self._failslow.forget(hb.rank.replica_id)
         replica = self._replica(hb.rank)
         replica.last_step = max(replica.last_step, hb.step)
         replica.last_seen = hb.at if replica.last_seen is None else max(replica.last_seen, hb.at)
@@ -182,11 +188,17 @@ class HealthCore:
             replica.down.discard(hb.rank.rank)
 
     def steps(self, records: Sequence[StepRecord]) -> None:
-        """Step records (any order, any mix of ranks)."""
+        """Step records (any order, any mix of ranks); a restarted rank's old process's late
+        ones are dropped, as in `collectives`."""
+        fresh = []
         for record in records:
+            cutoff = self._restarted_at.get(record.rank)
+            if cutoff is not None and record.started_at <= cutoff:
+                continue
             replica = self._replica(record.rank)
             replica.last_step = max(replica.last_step, record.step)
-        self._failslow.add(records)
+            fresh.append(record)
+        self._failslow.add(fresh)
 
     def collectives(self, records: Sequence[CollectiveRecord]) -> None:
         """Collective records: an entry (ended_at None) then an exit, or one record for both.
@@ -392,6 +404,7 @@ class HealthCore:
             last_step=replica.last_step,
             state=state,
             last_seen=replica.last_seen,
+            fail_slow=self._failslow.judgement(replica_id),
         )
 
     def _active_suspicion(self, replica_id: str, replica: _Replica) -> bool:

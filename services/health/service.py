@@ -7,9 +7,15 @@ Policies (what an incident makes the service do besides recording it):
   `HealthConfig.failure_action` "kill" ask for its teardown (its ranks exit, the agents kill its
   processes);
 - fail-slow and slow-rank: evict or only report, per `DetectorConfig.fail_slow_policy`.
-A fail-stop that a node agent already found and reported arrives in the agent's batch; the core
-sees the same rank fall silent a little later, and that second verdict is recorded in the state
-(the replica shows "down") but not stored or acted on twice."""
+One fault is one incident. A node agent finds its ranks' fail-stops itself, reports them to the
+quorum service and forwards the incident; the core sees the same rank fall silent at about the
+same moment, often a little before the agent's incident arrives (the agent forwards after its
+quorum report). So a fail-stop the core finds on a node whose agent is alive is held for
+`AGENT_GRACE_S`: the agent's incident for the rank drops it, and so does the rank beating again;
+otherwise it is stored and acted on. The held verdict is still in the state at once (the replica
+shows "down"). A node that went silent itself (host loss) has no agent left to say it: its
+ranks' fail-stops are not held. An agent's fail-stop whose quorum report failed is evicted from
+here (the central service may reach a quorum service the agent could not)."""
 
 from __future__ import annotations
 
@@ -36,6 +42,14 @@ log = logging.getLogger(__name__)
 _ALWAYS_EVICT = frozenset({IncidentKind.FAIL_STOP, IncidentKind.HANG, IncidentKind.SDC})
 _SLOW = frozenset({IncidentKind.FAIL_SLOW, IncidentKind.SLOW_RANK})
 
+AGENT_GRACE_S = 2.0
+"""How long a fail-stop found here waits for the live node agent's own incident of it: the
+agent's quorum report (bounded by its deadline) plus one forward, with room for a loaded host."""
+_NODE_CADENCES = 3.0
+"""A node agent is alive while its last node state is at most this many of its forward
+intervals old (and at least `_NODE_LIVE_MIN_S`)."""
+_NODE_LIVE_MIN_S = 0.3
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeView:
@@ -45,6 +59,9 @@ class NodeView:
     ranks: int
     last_seen: float
     dropped: int
+    interval_s: float | None = None
+    """The agent's forward cadence as seen here (a moving average of the gaps between its node
+    states; None after the first)."""
 
 
 def policy_for(incident: Incident, config: DetectorConfig) -> str:
@@ -77,6 +94,8 @@ class CentralEngine:
         self._clock = clock
         self._nodes: dict[str, NodeView] = {}
         self._agent_failstops: set[RankId] = set()
+        self._held: dict[RankId, tuple[float, Incident]] = {}
+        """Fail-stops found here on a live agent's node -> (when they are acted on, incident)."""
         self._task: asyncio.Task[None] | None = None
         self._actions: set[asyncio.Task[None]] = set()
         self._store_failing = False
@@ -111,6 +130,7 @@ class CentralEngine:
         for rank in batch.left:
             core.rank_left(rank)
             self._agent_failstops.discard(rank)
+            self._held.pop(rank, None)
         self._count(batch)
         await self._keep_records(batch)
         if batch.incidents:
@@ -120,6 +140,7 @@ class CentralEngine:
         now = self._clock()
         for entry in state.ranks:
             self._agent_failstops.discard(entry.rank)  # it beats again
+            self._held.pop(entry.rank, None)
             self.core.heartbeat(
                 Heartbeat(
                     rank=entry.rank,
@@ -129,8 +150,17 @@ class CentralEngine:
                     process=entry.process,
                 )
             )
+        previous = self._nodes.get(state.node)
+        interval = None
+        if previous is not None:
+            gap = max(0.0, now - previous.last_seen)
+            interval = gap if previous.interval_s is None else 0.8 * previous.interval_s + 0.2 * gap
         self._nodes[state.node] = NodeView(
-            node=state.node, ranks=len(state.ranks), last_seen=now, dropped=state.dropped
+            node=state.node,
+            ranks=len(state.ranks),
+            last_seen=now,
+            dropped=state.dropped,
+            interval_s=interval,
         )
         self._metrics.nodes.set(len(self._nodes))
 
@@ -158,6 +188,9 @@ class CentralEngine:
                 self._agent_failstops.add(rank)
             self._metrics.incidents.labels(kind=incident.kind.value).inc()
         await self._guard_store(self.store.add_incidents(incidents))
+        for incident in incidents:
+            if incident.kind in _ALWAYS_EVICT and incident.evidence.get("quorum") == "failed":
+                self._evict(incident)
 
     async def _guard_store(self, operation: Awaitable[None]) -> None:
         """Runs a store write; a failing store is logged once per outage, never raised into
@@ -206,7 +239,9 @@ class CentralEngine:
         found = self.core.evaluate(now)
         self._metrics.evaluate_seconds.observe(time.perf_counter() - started)
         self._observe(self.core.stats())
-        fresh = [i for i in found if not self._already_reported(i)]
+        fresh = self._release_held(now) + [
+            i for i in found if not self._already_reported(i) and not self._hold(i, now)
+        ]
         if not fresh:
             return []
         detectors = self.core.config
@@ -259,6 +294,35 @@ class CentralEngine:
         if incident.kind != IncidentKind.FAIL_STOP or incident.rank is None:
             return False
         return RankId(replica_id=incident.replica_id, rank=incident.rank) in self._agent_failstops
+
+    def _hold(self, incident: Incident, now: float) -> bool:
+        """Holds a fail-stop of a rank on a live agent's node (that agent reports it)."""
+        if incident.kind != IncidentKind.FAIL_STOP or incident.rank is None:
+            return False
+        if not self._agent_alive(incident.host, now):
+            return False
+        rank = RankId(replica_id=incident.replica_id, rank=incident.rank)
+        self._held[rank] = (now + AGENT_GRACE_S, incident)
+        return True
+
+    def _release_held(self, now: float) -> list[Incident]:
+        """Held fail-stops that are news after all: no agent incident came within the grace,
+        or the agent itself fell silent; those the agent reported are dropped."""
+        released = []
+        for rank, (due, incident) in list(self._held.items()):
+            if rank in self._agent_failstops:
+                del self._held[rank]
+            elif now >= due or not self._agent_alive(incident.host, now):
+                del self._held[rank]
+                released.append(incident)
+        return released
+
+    def _agent_alive(self, node: str | None, now: float) -> bool:
+        view = self._nodes.get(node) if node is not None else None
+        if view is None:
+            return False
+        cadence = view.interval_s if view.interval_s is not None else 0.0
+        return now - view.last_seen <= max(_NODE_LIVE_MIN_S, _NODE_CADENCES * cadence)
 
     def _evict(self, incident: Incident) -> None:
         if self._quorum is None:

@@ -91,6 +91,8 @@ async def _incident_naming(
 
 
 async def _all_running(agent: HealthNode, count: int) -> None:
+    """`count` ranks beat with progress, each again since all of them were first seen (so every
+    rank was beating by every other's latest beat: one incarnation, as a teardown judges it)."""
     assert agent.agent is not None
     node = agent.agent
 
@@ -98,6 +100,12 @@ async def _all_running(agent: HealthNode, count: int) -> None:
         return len([r for r in node.node_state().ranks if r.step >= 1]) == count
 
     await eventually(running, 30.0)
+    first = {r.rank: r.step for r in node.node_state().ranks}
+
+    async def beaten_again() -> bool:
+        return all(r.step > first.get(r.rank, r.step) for r in node.node_state().ranks)
+
+    await eventually(beaten_again, 30.0)
 
 
 async def test_killed_and_stopped_ranks_are_named_as_fail_stop(spawn: Spawn, token: str) -> None:

@@ -1,6 +1,6 @@
 """The node agent with a fake clock and a recording quorum link: a silent rank is reported at
-once and only once, clean exits are no incident, the node state leaves silent ranks out, and the
-buffer for the central service is bounded."""
+once and only once under the agent's node name, clean exits are no incident, the node state
+leaves silent ranks out, and the buffer for the central service is bounded."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def _beats(clock: Clock, *replicas: str, step: int = 1) -> ReportBatch:
         source="x",
         host="n1",
         heartbeats=tuple(
-            Heartbeat(rank=RankId(replica_id=r, rank=0), host="n1", step=step, at=clock.now)
+            # A rank names its host as it sees it; the agent's node name is what counts.
+            Heartbeat(rank=RankId(replica_id=r, rank=0), host="vm", step=step, at=clock.now)
             for r in replicas
         ),
     )
@@ -158,3 +159,42 @@ async def test_a_silent_ranks_teardown_spares_the_next_incarnation_whatever_the_
         await asyncio.sleep(0.001)
     assert killed == [[ProcessRef(101, 0)]]
     assert [r.rank.rank for r in agent.node_state().ranks] == [0]  # the new process is kept
+
+
+async def test_a_silent_ranks_teardown_takes_its_siblings_by_arrival_not_by_beat_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beat times are rebased per batch, so a sibling's first beat can be dated after the
+    silent rank's last one although it arrived first: it is the same incarnation, and goes."""
+    killed: list[list[ProcessRef]] = []
+
+    async def record(refs: list[ProcessRef], grace_s: float) -> list[int]:
+        killed.append(list(refs))
+        return [ref.pid for ref in refs]
+
+    monkeypatch.setattr(agent_module, "kill", record)
+    agent, _, clock = _agent()
+
+    def beat(rank: int, pid: int, skew_s: float = 0.0) -> ReportBatch:
+        hb = Heartbeat(
+            rank=RankId(replica_id="r1", rank=rank),
+            host="n1",
+            step=5,
+            at=clock.now + skew_s,
+            pid=pid,
+        )
+        return ReportBatch(source="x", host="n1", heartbeats=(hb,))
+
+    await agent.ingest(beat(0, 100, skew_s=0.2))  # dated 0.2 s ahead by its batch's rebase
+    clock.now += 0.01
+    await agent.ingest(beat(1, 101))  # rank 1's last beat
+    for _ in range(3):
+        clock.now += 0.2
+        await agent.ingest(beat(0, 100, skew_s=0.2))
+    (found,) = agent.check_once()
+    assert found.rank == 1
+    deadline = time.monotonic() + 5
+    while not killed:
+        assert time.monotonic() < deadline, "the silent rank was never killed"
+        await asyncio.sleep(0.001)
+    assert sorted(ref.pid for ref in killed[0]) == [100, 101]

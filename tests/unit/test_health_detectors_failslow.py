@@ -1,4 +1,5 @@
-"""Fail-slow: predictor fit, margin, change point, and the plain baseline."""
+"""Fail-slow: predictor fit, margin, change point, the peer guard (no peers: silent), persistence
+in time, and the plain baseline."""
 
 from __future__ import annotations
 
@@ -13,28 +14,44 @@ from fthsdp.services.health.telemetry import RankId, StepRecord
 ALPHA, BETA, GAMMA = 2e-5, 1e-8, 0.05
 
 
-def _record(step: int, sq: int, factor: float = 1.0, replica: str = "r0") -> StepRecord:
+def _record(
+    step: int, sq: int, factor: float = 1.0, replica: str = "r0", period_s: float = 1.0
+) -> StepRecord:
     tokens = 16384
-    t = (ALPHA * tokens + BETA * sq + GAMMA) * factor
+    # Steps of about half a period (scaled with it), plus as much waiting on the others.
+    t = (ALPHA * tokens + BETA * sq + GAMMA) * factor * period_s
     return StepRecord(
         rank=RankId(replica_id=replica, rank=0),
         step=step,
-        started_at=float(step),
-        duration_s=t + 0.2,
-        exchange_wait_s=0.2,  # waiting on other replicas is not this replica's time
+        started_at=step * period_s,
+        duration_s=t + 0.2 * period_s,
+        exchange_wait_s=0.2 * period_s,  # waiting on other replicas is not this replica's time
         tokens=tokens,
         sum_seq_len_sq=sq,
     )
 
 
-def _feed(det: FailSlowDetector, steps: range, factor_from: int, factor: float, seed: int = 0):  # type: ignore[no-untyped-def]
+def _feed(  # type: ignore[no-untyped-def]
+    det: FailSlowDetector,
+    steps: range,
+    factor_from: int,
+    factor: float,
+    seed: int = 0,
+    peers: tuple[str, ...] = ("r1",),
+    period_s: float = 1.0,
+    factor_until: int = 10**9,
+):
+    """r0 (slowed by `factor` from step `factor_from` until `factor_until`) and its healthy
+    `peers` train the same workload."""
     rng = random.Random(seed)
     found = []
     for n in steps:
         # Σl² jumps between short- and long-document phases every 25 steps: up to ~4x time.
         sq = int(16384 * (512 if (n // 25) % 2 == 0 else 6000) * rng.uniform(0.95, 1.05))
-        det.add([_record(n, sq, factor if n >= factor_from else 1.0)])
-        found += det.check(float(n))
+        slowed = factor if factor_from <= n < factor_until else 1.0
+        det.add([_record(n, sq, slowed, period_s=period_s)])
+        det.add([_record(n, sq, replica=peer, period_s=period_s) for peer in peers])
+        found += det.check(n * period_s)
     return found
 
 
@@ -71,3 +88,51 @@ def test_a_slowdown_within_the_margin_is_not_an_incident() -> None:
 def test_the_plain_change_point_detector_fires_on_benign_phases() -> None:
     det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30, fail_slow_use_predictor=False))
     assert len(_feed(det, range(300), factor_from=10**9, factor=1.0)) >= 3
+
+
+def test_a_single_replica_is_never_judged_and_says_why() -> None:
+    # Nothing tells a slow replica from a slow machine without a peer.
+    det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30))
+    assert det.judgement("r0") == "warming_up"
+    assert _feed(det, range(120), factor_from=70, factor=1.6, peers=()) == []
+    assert det.judgement("r0") == "no_peers"
+    assert not det.suspect("r0")
+
+
+def test_a_peer_that_stopped_stepping_is_no_peer() -> None:
+    # r1 trains until step 60 and then goes down: its old residuals say nothing of the time r0
+    # is slow in, so r0 has no peer then.
+    det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30))
+    _feed(det, range(60), factor_from=10**9, factor=1.0)
+    assert det.judgement("r0") == "judging"
+    assert _feed(det, range(60, 120), factor_from=70, factor=1.6, peers=()) == []
+    assert det.judgement("r0") == "no_peers"
+
+
+def test_a_slowdown_shared_with_the_peers_is_nobodys() -> None:
+    det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30))
+    rng = random.Random(0)
+    for n in range(120):
+        sq = int(16384 * 512 * rng.uniform(0.95, 1.05))
+        factor = 1.6 if n >= 70 else 1.0  # the machine, not a replica
+        det.add([_record(n, sq, factor, replica=r) for r in ("r0", "r1", "r2")])
+        assert det.check(float(n)) == []
+
+
+def test_a_slowdown_shorter_than_the_persistence_time_is_a_blip() -> None:
+    # 10 ms steps: 20 slow steps are 0.2 s of slowness, far short of the 2 s it takes.
+    config = DetectorConfig(fail_slow_warmup_steps=30, fail_slow_persist_s=2.0)
+    det = FailSlowDetector(config)
+    blip = _feed(det, range(200), factor_from=70, factor=3.0, period_s=0.01, factor_until=90)
+    assert blip == []
+    det = FailSlowDetector(config)
+    lasting = _feed(det, range(600), factor_from=70, factor=3.0, period_s=0.01)
+    assert [i.replica_id for i in lasting] == ["r0"]
+    # The median of a 2 s window: not before half of it (1 s, 100 steps) was slow.
+    assert lasting[0].evidence["step"] >= 70 + 100
+    # By steps alone (five of them), the blip would have been an incident.
+    counted = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30, fail_slow_persist_s=0.0))
+    by_steps = _feed(
+        counted, range(200), factor_from=70, factor=3.0, period_s=0.01, factor_until=90
+    )
+    assert [i.replica_id for i in by_steps] == ["r0"]

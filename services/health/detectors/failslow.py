@@ -5,9 +5,17 @@ takes longer than the same tokens packed from many short ones. A change point on
 therefore fires on workload changes. The predictor T ≈ αN + βΣl² + γ, fitted by least squares
 on the first `warmup` committed steps of each replica, explains those; the detector runs a
 one-sided CUSUM on the relative residual (measured / predicted − 1) and, at a change point,
-raises an incident only when the median residual of the last `persist` steps exceeds the margin
-above the other replicas' (a slowdown they all share, such as a loaded machine, is nobody's).
-An unconfirmed change point is dropped and the CUSUM restarts (ResiHP removes such points).
+raises an incident only when the median residual of the recent steps (at least `persist_steps`
+of them, spanning at least `persist_s`) exceeds the margin above the other replicas' (a
+slowdown they all share, such as a loaded machine, is nobody's). An unconfirmed change point is
+dropped and the CUSUM restarts (ResiHP removes such points).
+
+Peers are the replicas judged over the same time (their latest step ended inside the window)
+and not slow themselves: a replica that is down, or restarting, holds only old residuals. With
+none (a single-replica job, every other replica down or still warming up) nothing tells a slow
+replica from a slow machine, so the detector stays silent and says so (`judgement`). A
+restarted replica warms up again (`forget`): its first steps (catch-up, allocator, caches) are
+not its speed.
 
 γ (the intercept) is there because a step has work that no token count explains: the optimizer
 step, the fixed-size gradient exchange, the quorum round. Without it, α absorbs them and the fit
@@ -24,11 +32,12 @@ every change point an incident, re-baselined after each) used by `bench.rca`."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import fmean, median
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -36,6 +45,11 @@ from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.telemetry import Incident, IncidentKind, StepRecord
 
 _MAX_FIT_SAMPLES = 512  # the refit window: bounded memory and cost per replica
+_MAX_WINDOW = 4096  # residuals kept at most, whatever persist_s asks for (tiny steps)
+
+Judgement = Literal["warming_up", "no_peers", "judging", "slow"]
+"""What the detector can say of a replica now: still fitting its predictor; no peers to tell a
+slow replica from a slow machine (silent); judging; confirmed slow."""
 
 Coefficients = tuple[float, float, float]
 """(α per token, β per Σl², γ seconds)."""
@@ -84,6 +98,8 @@ class _Step:
     tokens: int = 0
     sq: int = 0
     ranks: int = 0
+    started: float = math.inf
+    ended: float = -math.inf
 
 
 @dataclass(slots=True)
@@ -101,6 +117,12 @@ class _Series:
     baseline: deque[float] = field(default_factory=deque)
     cusum: float = 0.0
     residuals: deque[float] = field(default_factory=deque)
+    starts: deque[float] = field(default_factory=deque)
+    """When each step of `residuals` started."""
+    last_end: float = -math.inf
+    """When the latest judged step ended."""
+    no_peers: bool = False
+    """The latest change point had no peers to be judged against."""
     slow: bool = False
     alarms: list[dict[str, Any]] = field(default_factory=list)
 
@@ -118,7 +140,6 @@ class FailSlowDetector:
         """New thresholds apply from the next step; fits and windows are kept."""
         self._config = config
         for series in self._series.values():
-            series.residuals = deque(series.residuals, maxlen=config.fail_slow_persist_steps)
             series.baseline = deque(series.baseline, maxlen=config.fail_slow_warmup_steps)
 
     def forget(self, replica_id: str) -> None:
@@ -129,6 +150,17 @@ class FailSlowDetector:
         """Whether the replica is currently confirmed slow."""
         series = self._series.get(replica_id)
         return series is not None and series.slow
+
+    def judgement(self, replica_id: str) -> Judgement:
+        """What the detector can say of the replica now (O(1))."""
+        series = self._series.get(replica_id)
+        if series is None or series.coef is None:
+            return "warming_up"
+        if series.slow:
+            return "slow"
+        if series.no_peers or len(self._series) < 2:
+            return "no_peers"
+        return "judging"
 
     def coefficients(self, replica_id: str) -> Coefficients | None:
         """The replica's fitted predictor, once warmed up."""
@@ -155,6 +187,8 @@ class FailSlowDetector:
             step.tokens = max(step.tokens, record.tokens)
             step.sq = max(step.sq, record.sum_seq_len_sq)
             step.ranks += 1
+            step.started = min(step.started, record.started_at)
+            step.ended = max(step.ended, record.started_at + record.duration_s)
             touched.add(record.rank.replica_id)
         for replica_id in touched:
             self._finalize(self._series[replica_id])
@@ -170,9 +204,29 @@ class FailSlowDetector:
 
     def _new_series(self) -> _Series:
         cfg = self._config
-        return _Series(
-            baseline=deque(maxlen=cfg.fail_slow_warmup_steps),
-            residuals=deque(maxlen=cfg.fail_slow_persist_steps),
+        return _Series(baseline=deque(maxlen=cfg.fail_slow_warmup_steps))
+
+    def _push(self, series: _Series, step: _Step, residual: float) -> bool:
+        """Adds a judged step's residual to the window; whether the window is full: at least
+        `persist_steps` steps spanning at least `persist_s`. Older steps leave once the rest
+        still fill it."""
+        cfg = self._config
+        series.residuals.append(residual)
+        series.starts.append(step.started)
+        series.last_end = max(series.last_end, step.ended)
+        while len(series.residuals) > cfg.fail_slow_persist_steps and (
+            len(series.residuals) > _MAX_WINDOW
+            or series.last_end - series.starts[1] >= cfg.fail_slow_persist_s
+        ):
+            series.residuals.popleft()
+            series.starts.popleft()
+        return self._full(series)
+
+    def _full(self, series: _Series) -> bool:
+        cfg = self._config
+        return (
+            len(series.residuals) >= cfg.fail_slow_persist_steps
+            and series.last_end - series.starts[0] >= cfg.fail_slow_persist_s
         )
 
     def _finalize(self, series: _Series) -> None:
@@ -211,8 +265,7 @@ class FailSlowDetector:
         if predicted <= 0:  # a degenerate fit: fall back to the warm-up mean
             predicted = fmean(series.baseline)
         residual = step.own_s / predicted - 1.0
-        series.residuals.append(residual)
-        full = len(series.residuals) == cfg.fail_slow_persist_steps
+        full = self._push(series, step, residual)
         level = median(series.residuals)
         if series.slow:
             if full and level < cfg.fail_slow_margin:
@@ -228,6 +281,9 @@ class FailSlowDetector:
             return
         series.cusum = 0.0  # confirmed or benign, the next change point starts afresh
         peers = self._peer_level(series)
+        series.no_peers = peers is None
+        if peers is None:
+            return  # nothing to tell this replica's slowdown from the machine's
         # The median of `persist` noisy residuals wanders by about 1.25 sigma / sqrt(persist):
         # two of those on top of the margin keep noise from passing for a slowdown.
         wander = 2.5 * series.noise / len(series.residuals) ** 0.5
@@ -237,19 +293,22 @@ class FailSlowDetector:
             evidence["peer_median_residual"] = peers
             series.alarms.append(evidence)
 
-    def _peer_level(self, series: _Series) -> float:
-        """The median residual of the other replicas (0 with fewer than two of them): a
-        slowdown every replica shares (the machine, the network, the control plane) is not one
-        replica's fault, so a replica is fail-slow only by the margin above its peers."""
-        cfg = self._config
+    def _peer_level(self, series: _Series) -> float | None:
+        """The median residual of the peers (None without any): a slowdown every replica
+        shares (the machine, the network, the control plane) is not one replica's fault, so a
+        replica is fail-slow only by the margin above its peers. A peer was judged over the
+        same time (its latest step ended inside this window), is not slow itself, and has a
+        full window."""
+        since = series.starts[0]
         levels = [
             median(other.residuals)
             for other in self._series.values()
             if other is not series
             and not other.slow
-            and len(other.residuals) == cfg.fail_slow_persist_steps
+            and other.last_end >= since
+            and self._full(other)
         ]
-        return median(levels) if len(levels) >= 2 else 0.0
+        return median(levels) if levels else None
 
     def _learn(self, series: _Series, step: _Step) -> None:
         """Keep refining the fit with steps judged healthy (well inside the margin): warm-up
@@ -271,7 +330,7 @@ class FailSlowDetector:
             return
         base = fmean(series.baseline)
         residual = step.own_s / base - 1.0
-        series.residuals.append(residual)
+        self._push(series, step, residual)
         series.cusum = max(0.0, series.cusum + residual - cfg.fail_slow_cusum_slack)
         if series.cusum <= cfg.fail_slow_cusum_threshold:
             series.baseline.append(step.own_s)
