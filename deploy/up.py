@@ -41,9 +41,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -676,7 +677,7 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
             for line in stack.summary:
                 print(f"  {line}", file=stream)
             print(f"  env file    {env_file}", file=stream)
-            print(_replica_hint(env_file), file=stream, flush=True)
+            print(_replica_hint(env_file, stack.env), file=stream, flush=True)
             supervisor.supervise(signals.stop)
     except (TimeoutError, RuntimeError, GaveUp) as exc:
         report(f"failed: {exc}")
@@ -693,13 +694,25 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
     return code
 
 
-def _replica_hint(env_file: Path) -> str:
+def replica_command(env: Mapping[str, str]) -> str:
+    """The torchrun command `fthsdp up` suggests for one replica of the demo job, to run in a
+    shell that loaded the env file whose variables are `env`: with the health service in the
+    stack, its ranks send their telemetry (heartbeats, steps, collectives, digests) to it."""
+    parts = [
+        "torchrun --standalone --nproc-per-node W -m fthsdp.deploy.demo.train --run-dir runs/job",
+        '--replica-id r0 --replica-index 0 --total-replicas R --quorum "$FTHSDP_QUORUM"',
+        '--checkpoint-url "$FTHSDP_CHECKPOINT_URL" --shm-dir "$FTHSDP_SHM_DIR"',
+    ]
+    if "FTHSDP_HEALTH" in env:
+        parts.append('--health "$FTHSDP_HEALTH"')
+    return " \\\n    ".join(parts)
+
+
+def _replica_hint(env_file: Path, env: Mapping[str, str]) -> str:
     return (
         "start a replica (W ranks) against it:\n"
         f"  set -a; . {shlex.quote(str(env_file))}; set +a\n"
-        "  torchrun --standalone --nproc-per-node W -m deploy.demo.train --run-dir runs/job \\\n"
-        '    --replica-id r0 --replica-index 0 --total-replicas R --quorum "$FTHSDP_QUORUM" \\\n'
-        '    --checkpoint-url "$FTHSDP_CHECKPOINT_URL" --shm-dir "$FTHSDP_SHM_DIR"'
+        + textwrap.indent(replica_command(env), "  ")
     )
 
 

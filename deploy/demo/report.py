@@ -695,6 +695,7 @@ def _control_plane_failure(
         "detection_s": None,
         "survivor_stall_s": None if stall is None else round(stall, 3),
         "time_to_healthy_s": None if back is None else round(back.t - inject.t, 3),
+        "healthy_step": None if back is None else back.step,
     }
 
 
@@ -726,7 +727,30 @@ def _failure(log: RunLog, inject: InjectEvent, median: float, t0: float) -> dict
         "detection_s": None if detection is None else round(detection, 3),
         "survivor_stall_s": None if stall is None else round(stall, 3),
         "time_to_healthy_s": None if rejoin is None else round(rejoin.t - inject.t, 3),
+        "healthy_step": None if rejoin is None else rejoin.step,
     }
+
+
+def _end_phase(
+    log: RunLog, failures: list[dict[str, Any]], t0: float, t1: float
+) -> dict[str, Any] | None:
+    """When the end phase began (seconds since the start, and the step then worked on): the
+    launcher injects nothing in the run's last stretch, then stops every replica at one agreed
+    step. The log has no line for it, so this is the moment it had certainly begun: the last
+    failure healed and, with a failure period, the slot `kill_every_s` after the last injection
+    passed within the run without a failure (a due one is put off only while a replica is
+    down). None without injected failures, or when one never healed."""
+    if not failures or any(f["time_to_healthy_s"] is None for f in failures):
+        return None
+    start = max(f["t"] + f["time_to_healthy_s"] for f in failures)
+    period = log.run.kill_every_s if log.run is not None else None
+    if period:
+        slot = max(f["t"] for f in failures) + period
+        if slot < t1 - t0:
+            start = max(start, slot)
+    if start >= t1 - t0:
+        return None
+    return {"t": round(start, 3), "step": _step_at(log, t0 + start)}
 
 
 def _step_at(log: RunLog, t: float) -> int:
@@ -782,6 +806,7 @@ def analyse(log: RunLog) -> dict[str, Any]:
     possible = total * len(steps)
     wall = max(0.0, t1 - t0)
     tokens = _tokens(log, ledger)
+    failures = [_failure(log, i, median, t0) for i in log.of_type(InjectEvent)]
     return {
         "run": None if log.run is None else _run_dict(log.run),
         "replicas": {r: _replica_entry(log, r, finals[r], samples[r]) for r in ids},
@@ -791,7 +816,8 @@ def analyse(log: RunLog) -> dict[str, Any]:
             "I6": _invariant_i6(log),
         },
         "inconsistencies": ledger.inconsistencies,
-        "failures": [_failure(log, i, median, t0) for i in log.of_type(InjectEvent)],
+        "failures": failures,
+        "end_phase": _end_phase(log, failures, t0, t1),
         "effective_training_time": None
         if possible == 0
         else round(len(ledger.spans) / possible, 4),
@@ -840,8 +866,9 @@ def _run_dict(run: RunEvent) -> dict[str, Any]:
 def build_report(run_dir: str | Path) -> dict[str, Any]:
     """The JSON-ready report of a run directory: per replica its final step, fingerprint and the
     exact shard positions it trained; invariants I1 and I2; per injected failure its detection
-    time, the survivors' stall and the time until the victim was healthy again; the effective
-    training time; summary numbers; and the series the plots draw."""
+    time, the survivors' stall and the time (and step) at which the victim was healthy again;
+    when the end phase began; the effective training time; summary numbers; and the series the
+    plots draw."""
     return analyse(RunLog.load(run_dir))
 
 

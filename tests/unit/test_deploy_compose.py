@@ -20,7 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_FILE = "deploy/compose.env"
-FTHSDP_SERVICES = ("quorum-a", "quorum-b", "checkpoint", "health")
+FTHSDP_SERVICES = ("quorum-a", "quorum-b", "checkpoint", "health", "health-agent")
 
 
 def _schema() -> dict[str, Any]:
@@ -123,7 +123,8 @@ def test_dependencies_wait_for_health(compose: dict[str, Any]) -> None:
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in compose["services"], f"{name} depends on unknown {dependency}"
             assert isinstance(condition, dict) and "condition" in condition, name
-            if dependency != "health":  # training must not wait for the health service
+            # training must not wait for the health service or its node agent
+            if dependency not in ("health", "health-agent"):
                 assert condition["condition"] == "service_healthy", f"{name} -> {dependency}"
 
 

@@ -108,6 +108,8 @@ def _slurm() -> Iterator[tuple[str, list[str], str]]:
                     yield "fthsdp up", words[at + 2 :], path.name
                 elif word == "fthsdp-checkpoint":
                     yield "fthsdp.services.checkpoint", words[at + 1 :], path.name
+                elif word == "fthsdp-health":
+                    yield "fthsdp.services.health", words[at + 1 :], path.name
                 elif word == "torchrun":
                     for program, tokens in _split_worker("torchrun", words[at + 1 :]):
                         yield program, tokens, path.name

@@ -22,7 +22,7 @@ K8S = ROOT / "deploy" / "k8s"
 # Indexed Jobs with backoffLimitPerIndex and podReplacementPolicy.
 KUBERNETES_VERSION = "1.33"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
-GRPC_PORTS = {"quorum": 7450, "health": 7460}
+GRPC_PORTS = {"quorum": 7450, "health": 7460, "health-agent": 7462}
 
 
 def _documents() -> list[tuple[str, dict[str, Any]]]:
@@ -116,7 +116,7 @@ def test_services_probe_livez_readyz_and_grpc_health() -> None:
     for name, pod in _workloads():
         for container in _containers(pod):
             kind = container["name"]
-            if kind not in ("quorum", "health", "checkpoint"):
+            if kind not in ("quorum", "health", "health-agent", "checkpoint"):
                 continue
             seen.add(kind)
             paths = {p["httpGet"]["path"] for p in _probes(container) if "httpGet" in p}
@@ -128,7 +128,7 @@ def test_services_probe_livez_readyz_and_grpc_health() -> None:
                 assert GRPC_PORTS[kind] in ports
             if kind != "quorum":  # the quorum's readiness is gRPC health (same as its /readyz)
                 assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", kind
-    assert seen == {"quorum", "health", "checkpoint"}
+    assert seen == {"quorum", "health", "health-agent", "checkpoint"}
 
 
 def test_the_quorum_service_runs_as_leader_and_standby() -> None:
