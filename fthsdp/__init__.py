@@ -6,7 +6,7 @@ The worker library, for a training script (see the README's "Your own training l
     group = fthsdp.ReplicaGroup.from_env()                 # the replica's ranks (torchrun)
     manager = fthsdp.Manager(config=fthsdp.ManagerConfig.from_env(), model=model,
                              optimizer=optimizer, group=group, samples_per_step=...,
-                             state={"scheduler": scheduler, "rng": fthsdp.RNGState()})
+                             state={"scheduler": scheduler, "rng": fthsdp.RNGState(seed=0)})
     optimizer = fthsdp.OptimizerWrapper(manager)
     loader = fthsdp.ExactlyOnceDataLoader(dataset, manager, batch_size=..., num_workers=2)
 

@@ -58,7 +58,7 @@ STEP_META = "step"
 class Manager:
     """One rank's part in fault-tolerant training. Create one per rank, after the model, the
     optimizer and any state that must travel with the replica (`state`: named objects with
-    `state_dict()`/`load_state_dict()`, such as an LR scheduler or `RNGState()`).
+    `state_dict()`/`load_state_dict()`, such as an LR scheduler or `RNGState(seed=...)`).
 
     Drive it with `OptimizerWrapper(manager)` in a plain loop (`zero_grad`, forward, `backward`,
     optional clipping, `step`, `scheduler.step`), or directly: `start_step()` before the forward
@@ -404,7 +404,10 @@ class Manager:
         ok = error is None
         if not ok:
             log.warning(
-                "exchange failed; retrying on a new quorum",
+                "step %d failed on quorum %d (%s); retrying on a new quorum",
+                self.step,
+                plan.quorum_id,
+                error,
                 extra=self._context(quorum_id=plan.quorum_id, error=str(error)),
             )
         if not self._exchange.agree(ok):

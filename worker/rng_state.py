@@ -11,8 +11,21 @@ import torch
 
 class RNGState:
     """Python's, NumPy's and torch's generators (CPU, and every CUDA device once CUDA is
-    initialised), for `Manager(state={"rng": RNGState()})`: after a catch-up, a rank draws the
-    same dropout masks and augmentations as the rank of the healthy replica it copied."""
+    initialised), for `Manager(state={"rng": RNGState(seed=...)})`: after a catch-up, a rank
+    draws the same dropout masks and augmentations as the rank of the healthy replica it copied.
+
+    The generators are part of the replicated state, so every replica must start them alike:
+    pass the same `seed` on every replica (it seeds all three now). Left unseeded, Python's and
+    NumPy's start from OS entropy, different in each process: healthy replicas then hold
+    different states, and a catch-up striped over two of them fails, its sources disagreeing."""
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+                raise ValueError(f"seed must be an integer in 0..2**32-1, got {seed!r}")
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)  # every CUDA device too
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' states: tensors and JSON values only."""

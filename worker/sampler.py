@@ -123,6 +123,8 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
         self.exactly_once = ExactlyOnceSampler(
             manager, len(dataset), batch_size=batch_size, shuffle=shuffle, seed=seed
         )
+        self._seed = seed
+        self._own_generator = options.get("generator") is None
         if options.get("num_workers", 0) > 0:
             # A rank runs gRPC threads (the quorum and health clients): a worker forked from it
             # can crash in gRPC's state. forkserver forks workers from a clean server process.
@@ -136,6 +138,15 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
         while True:
             start = self.exactly_once.position()
             self.exactly_once.start_at(start)
+            if self._own_generator:
+                # Each iterator draws its workers' base seed from `generator`, by default from
+                # torch's global one: the user's, which travels with the replica's state
+                # (RNGState). A reload this replica alone made would set it apart from the
+                # others; a generator of the position gives every replica at that position
+                # the same worker seeds instead.
+                self.generator = torch.Generator().manual_seed(
+                    (self._seed * 1_000_003 + start) % 2**63
+                )
             batches = super().__iter__()
             try:
                 for drawn, batch in enumerate(batches):

@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=optimizer,
         group=group,
         samples_per_step=samples_per_step,
-        state={"rng": RNGState()},  # its generators continue like the source's after a catch-up
+        # Seeded alike on every replica; after a catch-up they continue like the source's.
+        state={"rng": RNGState(seed=args.seed)},
         on_commit=on_commit,
         faults=FaultPlan.from_env(args.replica_id, args.rank),
     )

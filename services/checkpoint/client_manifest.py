@@ -272,7 +272,7 @@ class Manifest:
     def disagreement(self, other: Manifest) -> str | None:
         """Why `other` cannot hold the same bytes as this manifest, or None when it can."""
         if self.layout != other.layout:
-            return "different tensor layouts"
+            return f"different tensor layouts ({_first_difference(self.layout, other.layout)})"
         if self.chunk_bytes != other.chunk_bytes:
             return "different chunk sizes"
         bad = [
@@ -283,3 +283,11 @@ class Manifest:
         if bad:
             return f"checksums differ in {len(bad)} chunk(s), first chunk {bad[0]}"
         return None
+
+
+def _first_difference(a: Layout, b: Layout) -> str:
+    """The first tensor two layouts disagree on, for the error message."""
+    for x, y in zip(a.tensors, b.tensors, strict=False):
+        if (x.name, x.dtype, x.shape) != (y.name, y.dtype, y.shape):
+            return f"{x.name} {x.dtype}{list(x.shape)} vs {y.name} {y.dtype}{list(y.shape)}"
+    return f"{len(a.tensors)} vs {len(b.tensors)} tensors"

@@ -13,7 +13,7 @@ quorum id changes; the client caches them by quorum id and always returns comple
 from __future__ import annotations
 
 import asyncio
-import random
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -107,7 +107,8 @@ def _translate(err: grpc.RpcError) -> QuorumError:
 
 
 def _new_attempt_id() -> int:
-    return random.getrandbits(63) | 1
+    # Not the module-level generator: it is the user's, and travels with a replica's state.
+    return secrets.randbits(63) | 1
 
 
 def _seconds(value: timedelta) -> float:

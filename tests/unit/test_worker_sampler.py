@@ -91,3 +91,17 @@ def test_bad_loader_options_are_refused() -> None:
         ExactlyOnceDataLoader(Indexed(10), manager, batch_size=3)
     with pytest.raises(ValueError, match="empty"):
         ExactlyOnceSampler(manager, 0, batch_size=2)
+
+
+def test_reloading_at_a_new_position_leaves_the_global_generator_alone() -> None:
+    """A reload happens on one replica only (its step committed without its batch): drawing
+    the workers' seed from torch's global generator would set that replica's state (which
+    RNGState carries) apart from the others'."""
+    manager = _manager(0, 2)
+    loader = ExactlyOnceDataLoader(Indexed(100), manager, batch_size=2)
+    batches = iter(loader)
+    before = torch.get_rng_state()
+    next(batches)
+    manager.positions = DataPositions({"r0": 20})  # a jump: the loader reloads
+    assert [int(i) for i in next(batches)] == [40, 42]
+    assert torch.equal(torch.get_rng_state(), before)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -171,3 +173,34 @@ def test_replicated_state_refuses_bad_objects_at_construction() -> None:
         ReplicatedState(model, optimizer, {"x": object()})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="state name"):
         ReplicatedState(model, optimizer, {"a/b": RNGState()})
+
+
+def test_replicas_seeding_their_generators_alike_hold_the_same_state_bytes() -> None:
+    """What two catch-up sources compare: each replica's encoded generator state. Seeded alike
+    (as every replica must be), it is the same bytes in two processes; unseeded, Python's and
+    NumPy's start from OS entropy, so two replicas' snapshots would disagree."""
+    script = (
+        "import sys, torch\n"
+        "from fthsdp.worker.rng_state import RNGState\n"
+        "from fthsdp.worker.state_codec import document_tensor, encode_tree\n"
+        "seed = None if sys.argv[1] == 'none' else int(sys.argv[1])\n"
+        "tree, tensors = encode_tree(RNGState(seed=seed).state_dict(), prefix='x/', name='rng')\n"
+        "blob = document_tensor(tree).numpy().tobytes() + b''.join(\n"
+        "    t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors.values())\n"
+        "import hashlib; print(hashlib.sha256(blob).hexdigest())\n"
+    )
+
+    def digest(seed: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", script, seed], capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    assert digest("7") == digest("7")
+    assert digest("none") != digest("none")
+
+
+def test_a_seed_must_be_a_32_bit_integer() -> None:
+    for bad in (-1, 2**32, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            RNGState(seed=bad)  # type: ignore[arg-type]

@@ -76,6 +76,10 @@ __all__ = ["FtarRing", "FtarStats"]
 log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_JITTER = random.Random()
+"""Backoff jitter from a generator of our own: the module-level ones are the user's, and
+`RNGState` carries them from a healthy replica to a recovering one, so every draw here would
+make the replicas' states differ (and their snapshots disagree)."""
 _MAX_PARKED = 8
 _MAX_HANDSHAKES = 32
 """Handshakes in progress at once; a connection beyond them is closed at once (a legitimate
@@ -492,7 +496,7 @@ class FtarRing:
                 log.debug("ftar connect to %s failed: %r", topo.right, exc, extra=self._ctx())
                 with self._cv:
                     self._cv.wait(min(backoff, max(deadline - time.monotonic(), 0)))
-                backoff = min(backoff * 2, 0.1) * random.uniform(0.8, 1.2)
+                backoff = min(backoff * 2, 0.1) * _JITTER.uniform(0.8, 1.2)
                 continue
             if ack.status == wire.AckStatus.STALE_EPOCH:
                 raise FtarEpochMismatchError(
