@@ -73,8 +73,10 @@ class ReplicaView:
     """The latest heartbeat of any of its ranks (None when only telemetry was seen)."""
     fail_slow: Judgement = "warming_up"
     """What the fail-slow detector can say of it: "warming_up" (fitting its predictor, also
-    after a restart), "no_peers" (no other replica judged over the same time: it cannot tell
-    this one's slowdown from the machine's, and stays silent), "judging", "slow"."""
+    after a restart), "recovering" (the job is: a replica down, restarting or warming up, or
+    settling after that; silent), "no_peers" (no other replica judged over the same time: it
+    cannot tell this one's slowdown from the machine's, and stays silent), "judging",
+    "slow"."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +183,7 @@ class HealthCore:
             self._restarted_at[hb.rank] = old_process_last_beat
             # Its first steps (catch-up, a cold allocator) are not its speed: warm up again.
             self._failslow.forget(hb.rank.replica_id)
+            self._failslow.hold(hb.at + self._config.fail_slow_settle_s)
         replica = self._replica(hb.rank)
         replica.last_step = max(replica.last_step, hb.step)
         replica.last_seen = hb.at if replica.last_seen is None else max(replica.last_seen, hb.at)
@@ -219,6 +222,7 @@ class HealthCore:
 
     def rank_left(self, rank: RankId) -> None:
         """A clean exit: the rank is forgotten by every detector; its silence is no incident."""
+        self._failslow.hold(self._clock + self._config.fail_slow_settle_s)
         self._failstop.leave(rank)
         self._collectives.leave(rank)
         self._restarted_at.pop(rank, None)
@@ -250,6 +254,9 @@ class HealthCore:
             except Exception:
                 log.exception("the %s detector failed", name)
         self._mark(found)
+        if any(replica.down for replica in self._replicas.values()):
+            # The job recovers: nobody's speed is their own until it settled (FailSlowDetector).
+            self._failslow.hold(now + self._config.fail_slow_settle_s)
         found = [self._with_host(incident) for incident in found]
         try:  # after the verdicts: a rank they name keeps its host and marks
             self._prune(now)

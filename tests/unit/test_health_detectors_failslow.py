@@ -136,3 +136,36 @@ def test_a_slowdown_shorter_than_the_persistence_time_is_a_blip() -> None:
         counted, range(200), factor_from=70, factor=3.0, period_s=0.01, factor_until=90
     )
     assert [i.replica_id for i in by_steps] == ["r0"]
+
+
+def test_nothing_is_judged_while_the_job_recovers() -> None:
+    # A hold (the core's, after a fail-stop) covers steps 60-80; r0 is slow exactly then.
+    det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30))
+    _feed(det, range(60), factor_from=10**9, factor=1.0)
+    det.hold(80.0)
+    assert det.judgement("r0") == "recovering"
+    assert _feed(det, range(60, 80), factor_from=60, factor=1.6, factor_until=80) == []
+    assert _feed(det, range(80, 160), factor_from=10**9, factor=1.0) == []
+    assert det.judgement("r0") == "judging"
+    # A slowdown after the hold is named as before.
+    found = _feed(det, range(160, 220), factor_from=170, factor=1.6)
+    assert [i.replica_id for i in found] == ["r0"]
+
+
+def test_a_replica_rejoining_a_running_job_mutes_the_detector_until_it_settled() -> None:
+    config = DetectorConfig(fail_slow_warmup_steps=30, fail_slow_settle_s=5.0)
+    det = FailSlowDetector(config)
+    _feed(det, range(60), factor_from=10**9, factor=1.0)
+    rng = random.Random(3)
+    found = []
+    for n in range(60, 140):
+        # r2 rejoins at step 60 and warms up (30 steps); meanwhile r0 serves its catch-up,
+        # slowly, until step 100 (settled by 95).
+        sq = int(16384 * 512 * rng.uniform(0.95, 1.05))
+        det.add([_record(n, sq, 1.6 if n < 94 else 1.0), _record(n, sq, replica="r1")])
+        det.add([_record(n, sq, replica="r2")])
+        found += det.check(float(n))
+        if n == 70:
+            assert det.judgement("r0") == "recovering"
+    assert found == []
+    assert det.judgement("r0") == "judging"

@@ -25,6 +25,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "fail_slow_margin": (1e-3, 100.0),
     "fail_slow_persist_steps": (1, 10_000),
     "fail_slow_persist_s": (0.0, 3600.0),
+    "fail_slow_settle_s": (0.0, 3600.0),
     "fail_slow_cusum_slack": (0.0, 100.0),
     "fail_slow_cusum_threshold": (1e-3, 1e6),
     "sdc_min_replicas": (3, 100_000),
@@ -83,6 +84,10 @@ class DetectorConfig:
     fail_slow_persist_s: float = 2.0
     """...and those steps must span at least this long (more steps are taken until they do):
     five 10 ms steps are a blip (a page fault, a neighbour's burst), not a slow machine."""
+    fail_slow_settle_s: float = 5.0
+    """Fail-slow judges no step for this long after the job's membership changed (a fail-stop,
+    a hang, a restart, a departure), nor while a replica is down or a rejoined one warms up:
+    catch-up serving, ring rebuilds and (on shared hosts) restarts slow the others then."""
     fail_slow_cusum_slack: float = 0.1
     """CUSUM drift k on the relative residual: residuals below it never accumulate."""
     fail_slow_cusum_threshold: float = 1.0

@@ -17,6 +17,12 @@ replica from a slow machine, so the detector stays silent and says so (`judgemen
 restarted replica warms up again (`forget`): its first steps (catch-up, allocator, caches) are
 not its speed.
 
+Nor is anyone's speed while the job recovers: the sources serve a catch-up, rings rebuild, and
+where replicas share hosts a restart's imports take their CPU. So nothing is judged while a
+replica that (re)joined a running job warms up, nor before `hold`'s time (the core holds for
+`fail_slow_settle_s` after a fail-stop, a hang, a restart or a departure, and while a replica
+is down); the residual windows start afresh after it.
+
 γ (the intercept) is there because a step has work that no token count explains: the optimizer
 step, the fixed-size gradient exchange, the quorum round. Without it, α absorbs them and the fit
 is biased whenever N varies. When N is constant (fixed token budget per packed batch) αN and γ
@@ -47,9 +53,10 @@ from fthsdp.services.health.telemetry import Incident, IncidentKind, StepRecord
 _MAX_FIT_SAMPLES = 512  # the refit window: bounded memory and cost per replica
 _MAX_WINDOW = 4096  # residuals kept at most, whatever persist_s asks for (tiny steps)
 
-Judgement = Literal["warming_up", "no_peers", "judging", "slow"]
-"""What the detector can say of a replica now: still fitting its predictor; no peers to tell a
-slow replica from a slow machine (silent); judging; confirmed slow."""
+Judgement = Literal["warming_up", "recovering", "no_peers", "judging", "slow"]
+"""What the detector can say of a replica now: still fitting its predictor; the job is
+recovering (silent); no peers to tell a slow replica from a slow machine (silent); judging;
+confirmed slow."""
 
 Coefficients = tuple[float, float, float]
 """(α per token, β per Σl², γ seconds)."""
@@ -123,6 +130,9 @@ class _Series:
     """When the latest judged step ended."""
     no_peers: bool = False
     """The latest change point had no peers to be judged against."""
+    late: bool = False
+    """Created while another replica's predictor was fitted: it (re)joined a running job, and
+    nobody is judged until it has warmed up."""
     slow: bool = False
     alarms: list[dict[str, Any]] = field(default_factory=list)
 
@@ -130,11 +140,17 @@ class _Series:
 class FailSlowDetector:
     """Per-replica series; `add` updates them, `check` returns the incidents they raised."""
 
-    __slots__ = ("_config", "_series")
+    __slots__ = ("_config", "_late", "_newest_end", "_quiet_until", "_series")
 
     def __init__(self, config: DetectorConfig) -> None:
         self._config = config
         self._series: dict[str, _Series] = {}
+        self._quiet_until = -math.inf
+        """Steps that started before this are not judged (the job was recovering)."""
+        self._late = 0
+        """Late series still warming up."""
+        self._newest_end = -math.inf
+        """When the newest step seen ended (the detector's sense of now)."""
 
     def reconfigure(self, config: DetectorConfig) -> None:
         """New thresholds apply from the next step; fits and windows are kept."""
@@ -144,7 +160,13 @@ class FailSlowDetector:
 
     def forget(self, replica_id: str) -> None:
         """Drop a replica's series (it left; a restarted one warms up again)."""
-        self._series.pop(replica_id, None)
+        series = self._series.pop(replica_id, None)
+        if series is not None and series.late:
+            self._late -= 1
+
+    def hold(self, until: float) -> None:
+        """Judge no step that starts before `until` (the job is recovering)."""
+        self._quiet_until = max(self._quiet_until, until)
 
     def suspect(self, replica_id: str) -> bool:
         """Whether the replica is currently confirmed slow."""
@@ -158,6 +180,8 @@ class FailSlowDetector:
             return "warming_up"
         if series.slow:
             return "slow"
+        if self._late or self._newest_end < self._quiet_until:
+            return "recovering"
         if series.no_peers or len(self._series) < 2:
             return "no_peers"
         return "judging"
@@ -177,6 +201,8 @@ class FailSlowDetector:
             series = self._series.get(record.rank.replica_id)
             if series is None:
                 series = self._series[record.rank.replica_id] = self._new_series()
+                series.late = any(s.coef is not None for s in self._series.values())
+                self._late += series.late
             if record.step <= series.done:
                 continue
             series.ranks.add(record.rank.rank)
@@ -189,6 +215,7 @@ class FailSlowDetector:
             step.ranks += 1
             step.started = min(step.started, record.started_at)
             step.ended = max(step.ended, record.started_at + record.duration_s)
+            self._newest_end = max(self._newest_end, step.ended)
             touched.add(record.rank.replica_id)
         for replica_id in touched:
             self._finalize(self._series[replica_id])
@@ -245,6 +272,15 @@ class FailSlowDetector:
             series.baseline.append(step.own_s)
             if len(series.warm) == cfg.fail_slow_warmup_steps:
                 _refit(series)
+                if series.late:  # the job is whole again: give it time to settle
+                    series.late = False
+                    self._late -= 1
+                    self.hold(step.ended + cfg.fail_slow_settle_s)
+            return
+        if self._late or step.started < self._quiet_until:
+            series.residuals.clear()  # judged afresh, on steps of the settled job only
+            series.starts.clear()
+            series.cusum = 0.0
             return
         if cfg.fail_slow_use_predictor:
             if _outside(series.warm, step.sq):
