@@ -24,10 +24,11 @@ import grpc
 
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.protos import quorum_pb2_grpc as pb_grpc
-from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.services.common.backoff import Backoff
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client_failover import Failover, parse_addresses
+from fthsdp.services.quorum.client_retry import CallRetry
 from fthsdp.services.quorum.client_types import (
     AuthError,
     EventKind,
@@ -104,6 +105,14 @@ def _translate(err: grpc.RpcError) -> QuorumError:
     call = cast(grpc.Call, err)
     kind = codec.error_kind(cast(Any, call.trailing_metadata()))
     return codec.error_from_status(call.code(), call.details() or "", kind)
+
+
+def _refusal(err: grpc.RpcError) -> QuorumUnavailableError:
+    """The UNAVAILABLE error to retry on; raises any other error, which ends the call."""
+    error = _translate(err)
+    if not isinstance(error, QuorumUnavailableError):
+        raise error from None
+    return error
 
 
 def _new_attempt_id() -> int:
@@ -191,6 +200,40 @@ def _report_request(
     return request
 
 
+class _ClientSettings:
+    """What both clients share: credentials, timeouts, the failover and the retry rule."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str | Token,
+        rpc_timeout: timedelta,
+        connect_timeout: timedelta,
+        backoff: Backoff | None,
+        decode_cache: QuorumDecodeCache | None,
+    ) -> None:
+        if rpc_timeout <= timedelta(0) or connect_timeout < timedelta(0):
+            raise ValueError("rpc_timeout must be positive and connect_timeout not negative")
+        secret = token if isinstance(token, Token) else Token(token)
+        self._metadata = (("authorization", secret.header()),)
+        self._rpc_timeout = _seconds(rpc_timeout)
+        self._connect_timeout = _seconds(connect_timeout)
+        self._backoff = backoff or DEFAULT_BACKOFF
+        self._failover = Failover(addresses)
+        self._endpoints = decode_cache or QuorumDecodeCache()
+
+    def _retry(self, deadline: float | None, unavailable_budget: float | None) -> CallRetry:
+        return CallRetry(
+            self._failover,
+            self._backoff.delays(),
+            now=time.monotonic(),
+            rpc_timeout=self._rpc_timeout,
+            connect_timeout=self._connect_timeout,
+            deadline=deadline,
+            unavailable_budget=unavailable_budget,
+        )
+
+
 # ---- blocking client ------------------------------------------------------------------------
 
 
@@ -234,7 +277,7 @@ class WatchStream(Iterator[MembershipEvent]):
         self.cancel()
 
 
-class QuorumClient:
+class QuorumClient(_ClientSettings):
     """Blocking client of the quorum service; safe to share between threads."""
 
     def __init__(
@@ -251,19 +294,13 @@ class QuorumClient:
         comma-separated string; see `client_failover`). `rpc_timeout` bounds one attempt of a
         short RPC; `connect_timeout` bounds how long a call keeps retrying while the service is
         unavailable."""
-        if rpc_timeout <= timedelta(0) or connect_timeout < timedelta(0):
-            raise ValueError("rpc_timeout must be positive and connect_timeout not negative")
-        secret = token if isinstance(token, Token) else Token(token)
-        self._metadata = (("authorization", secret.header()),)
-        self._rpc_timeout = _seconds(rpc_timeout)
-        self._connect_timeout = _seconds(connect_timeout)
-        self._backoff = backoff or DEFAULT_BACKOFF
-        self._failover = Failover(parse_addresses(address))
+        super().__init__(
+            parse_addresses(address), token, rpc_timeout, connect_timeout, backoff, decode_cache
+        )
         self._channels = [
             grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._failover.addresses
         ]
         self._stubs = [pb_grpc.QuorumServiceStub(c) for c in self._channels]
-        self._endpoints = decode_cache or QuorumDecodeCache()
         self._streams: set[WatchStream] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -375,41 +412,20 @@ class QuorumClient:
         deadline: float | None = None,
         unavailable_budget: float | None = None,
     ) -> Any:
-        """One RPC: per-attempt deadline; UNAVAILABLE moves to the next address at once and is
-        retried with backoff (after every address refused) until the budget."""
-        budget_end = deadline if deadline is not None else time.monotonic() + self._connect_timeout
-        unavailable_since: float | None = None
-        delays = self._backoff.delays()
-        last: QuorumError = QuorumTimeoutError("the call's deadline passed")
-        refusals = 0
+        """One RPC, retried on refusals by `CallRetry`'s rule."""
+        retry = self._retry(deadline, unavailable_budget)
         while True:
-            attempt = self._rpc_timeout if deadline is None else deadline - time.monotonic()
-            if attempt <= 0:
-                raise last
-            index = self._failover.current
+            attempt = retry.attempt(time.monotonic())
+            stub_method = getattr(self._stubs[attempt.index], method)
             try:
-                stub_method = getattr(self._stubs[index], method)
-                response = stub_method(request, timeout=attempt, metadata=self._metadata)
+                response = stub_method(request, timeout=attempt.timeout, metadata=self._metadata)
             except grpc.RpcError as err:
-                last = _translate(err)
-                if not isinstance(last, QuorumUnavailableError):
-                    raise last from None
+                refusal = _refusal(err)
             else:
                 if self._failover.accept(response):
                     return response
-                last = QuorumUnavailableError(_STALE_LEADER)
-            self._failover.advance(index)
-            refusals += 1
-            now = time.monotonic()
-            unavailable_since = now if unavailable_since is None else unavailable_since
-            give_up = budget_end
-            if unavailable_budget is not None and refusals >= len(self._stubs):
-                # every instance refused at least once: the budget may end the call
-                give_up = min(give_up, unavailable_since + unavailable_budget)
-            if now >= give_up:
-                raise last from None
-            if refusals % len(self._stubs) == 0 and not sleep_before_retry(delays, give_up):
-                raise last from None
+                refusal = QuorumUnavailableError(_STALE_LEADER)
+            time.sleep(retry.refused(attempt, refusal, time.monotonic()))
 
 
 # ---- asyncio client -------------------------------------------------------------------------
@@ -447,7 +463,7 @@ class AsyncWatchStream:
         self._call.cancel()
 
 
-class AsyncQuorumClient:
+class AsyncQuorumClient(_ClientSettings):
     """asyncio client of the quorum service (one event loop); same API as `QuorumClient`."""
 
     def __init__(
@@ -462,26 +478,18 @@ class AsyncQuorumClient:
         decode_cache: QuorumDecodeCache | None = None,
     ) -> None:
         """`channel` lets many clients share one connection (benchmarks); it is then not closed
-        by `close()`."""
-        if rpc_timeout <= timedelta(0) or connect_timeout < timedelta(0):
-            raise ValueError("rpc_timeout must be positive and connect_timeout not negative")
-        secret = token if isinstance(token, Token) else Token(token)
-        self._metadata = (("authorization", secret.header()),)
-        self._rpc_timeout = _seconds(rpc_timeout)
-        self._connect_timeout = _seconds(connect_timeout)
-        self._backoff = backoff or DEFAULT_BACKOFF
+        by `close()`, and it is the only instance asked (`address` must name one)."""
+        addresses = parse_addresses(address)
+        if channel is not None and len(addresses) != 1:
+            raise ValueError("with a shared channel, give the one address it connects to")
+        super().__init__(addresses, token, rpc_timeout, connect_timeout, backoff, decode_cache)
         self._owns_channel = channel is None
-        self._failover = Failover(parse_addresses(address))
         self._channels = (
             [channel]
             if channel is not None
-            else [
-                grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
-                for a in self._failover.addresses
-            ]
+            else [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
         )
         self._stubs = [pb_grpc.QuorumServiceStub(c) for c in self._channels]
-        self._endpoints = decode_cache or QuorumDecodeCache()
         self._streams: set[AsyncWatchStream] = set()
 
     async def join(self, replica_id: str, ranks: Sequence[RankEndpoint]) -> int:
@@ -497,15 +505,19 @@ class AsyncQuorumClient:
         *,
         commit_failed: bool = False,
         timeout: timedelta,
+        unavailable_budget: timedelta | None = None,
     ) -> Quorum:
         """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
-        `timeout`."""
+        `timeout`. `unavailable_budget` as in `QuorumClient.quorum`."""
         deadline = time.monotonic() + _seconds(timeout)
         attempt = _new_attempt_id()
         known = self._endpoints.known_quorum_id
+        budget = None if unavailable_budget is None else _seconds(unavailable_budget)
         while True:
             request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
-            response = await self._call("Quorum", request, deadline=deadline)
+            response = await self._call(
+                "Quorum", request, deadline=deadline, unavailable_budget=budget
+            )
             quorum = self._endpoints.decode(response)
             if quorum is not None:
                 return quorum
@@ -569,31 +581,27 @@ class AsyncQuorumClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any, *, deadline: float | None = None) -> Any:
-        budget_end = deadline if deadline is not None else time.monotonic() + self._connect_timeout
-        delays = self._backoff.delays()
-        last: QuorumError = QuorumTimeoutError("the call's deadline passed")
-        refusals = 0
+    async def _call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        deadline: float | None = None,
+        unavailable_budget: float | None = None,
+    ) -> Any:
+        """One RPC, retried on refusals by `CallRetry`'s rule (the blocking client's)."""
+        retry = self._retry(deadline, unavailable_budget)
         while True:
-            attempt = self._rpc_timeout if deadline is None else deadline - time.monotonic()
-            if attempt <= 0:
-                raise last
-            index = self._failover.current
+            attempt = retry.attempt(time.monotonic())
+            stub_method = getattr(self._stubs[attempt.index], method)
             try:
-                stub_method = getattr(self._stubs[index], method)
-                response = await stub_method(request, timeout=attempt, metadata=self._metadata)
+                response = await stub_method(
+                    request, timeout=attempt.timeout, metadata=self._metadata
+                )
             except grpc.RpcError as err:
-                last = _translate(err)
-                if not isinstance(last, QuorumUnavailableError):
-                    raise last from None
+                refusal = _refusal(err)
             else:
                 if self._failover.accept(response):
                     return response
-                last = QuorumUnavailableError(_STALE_LEADER)
-            self._failover.advance(index)
-            refusals += 1
-            remaining = budget_end - time.monotonic()
-            if remaining <= 0:
-                raise last from None
-            if refusals % len(self._stubs) == 0:
-                await asyncio.sleep(min(next(delays), remaining))
+                refusal = QuorumUnavailableError(_STALE_LEADER)
+            await asyncio.sleep(retry.refused(attempt, refusal, time.monotonic()))
