@@ -55,6 +55,25 @@ POSITIONS_META = "positions"
 STEP_META = "step"
 
 
+def _ring_config(config: ManagerConfig, ftar: FtarConfig | None) -> FtarConfig:
+    """The ring's settings under a Manager: its rings admit only ranks of this job (a key from
+    the token), and one exchange bound holds, `ManagerConfig.exchange_timeout`, so no ring
+    exchange runs on after the step gave up on it."""
+    ftar = ftar or FtarConfig()
+    bound = config.exchange_timeout
+    if ftar.exchange_timeout not in (bound, FtarConfig().exchange_timeout):
+        raise ValueError(
+            "the exchange bound is ManagerConfig.exchange_timeout; leave "
+            "FtarConfig.exchange_timeout unset under a Manager"
+        )
+    return dataclasses.replace(
+        ftar,
+        auth_key=ftar.auth_key or ring_key(config.token),
+        exchange_timeout=bound,
+        chunk_timeout=min(ftar.chunk_timeout, bound),
+    )
+
+
 class Manager:
     """One rank's part in fault-tolerant training. Create one per rank, after the model, the
     optimizer and any state that must travel with the replica (`state`: named objects with
@@ -113,13 +132,12 @@ class Manager:
             for index, params in enumerate(self._exchange.bucket_params)
             for param in params
         ]
-        ftar_config = ftar_config or FtarConfig()
-        if not ftar_config.auth_key:  # only ranks of this job may join its rings
-            ftar_config = dataclasses.replace(ftar_config, auth_key=ring_key(config.token))
-        self._ring = FtarRing(ftar_config)
+        self._ring = FtarRing(_ring_config(config, ftar_config))
         self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
         self._stop = threading.Event()
+        self._fetch_cancel = threading.Event()
+        """Set to stop the catch-up fetch in flight (its attempt failed, or the manager closes)."""
         self._endpoints = self._gather_endpoints()
         self._step_started: float | None = None
         self._records = (
@@ -146,7 +164,7 @@ class Manager:
         )
         """The leader's Prometheus metrics (`ManagerConfig.metrics_port`), else None."""
         self._link = QuorumLink(config, self._endpoints, self._stop) if group.is_leader else None
-        self._plans = PlanChannel(config, group, self._link, self._executor)
+        self._plans = PlanChannel(config, group, self._link)
         self._restore_durable()
         self._watch = RingWatch(
             config,
@@ -365,7 +383,8 @@ class Manager:
         recovering = self.step < plan.max_step
         fetch: Future[tuple[dict[str, torch.Tensor], dict[str, str | int]]] | None = None
         if recovering:
-            fetch = self._executor.submit(self._fetch, plan)
+            self._fetch_cancel = threading.Event()
+            fetch = self._executor.submit(self._fetch, plan, self._fetch_cancel)
             self._faults.hit("fetch", self.step)
         elif plan.serve or self._durable_due(plan):
             self._peer_state.publish(self.step, self._state.tensors(), self._meta())
@@ -392,7 +411,8 @@ class Manager:
         fetched = None
         if fetch is not None and error is not None:
             # This attempt fails anyway: do not wait out the fetch (its sources may be on
-            # another quorum and never publish); it ends by itself within fetch_timeout.
+            # another quorum and never publish). A transfer under way ends within its deadline.
+            self._fetch_cancel.set()
             fetch.cancel()
         elif fetch is not None:
             t0 = time.monotonic()
@@ -522,10 +542,12 @@ class Manager:
         )
         overlap.launching = True
 
-    def _fetch(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
+    def _fetch(
+        self, plan: StepPlan, cancelled: threading.Event
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
         """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
         self._faults.delay("slow_fetch", self.step)
-        return self._peer_state.fetch_peer(plan.sources, plan.max_step)
+        return self._peer_state.fetch_peer(plan.sources, plan.max_step, cancelled=cancelled)
 
     def _report_step(self, step: int, seconds: dict[str, float], quorum_id: int) -> None:
         started, self._step_started = self._step_started, None
@@ -622,6 +644,8 @@ class Manager:
         self._telemetry.close()
         if self.metrics is not None:
             self.metrics.close()
+        self._plans.close()
+        self._fetch_cancel.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for thread in self._threads:  # so no gRPC call of theirs is left when the process exits
             thread.join(timeout=2)

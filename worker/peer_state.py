@@ -7,6 +7,7 @@ sidecar's process, so a healthy source never stalls on a recovering peer (I4).""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -21,7 +22,7 @@ from fthsdp.services.checkpoint.client import (
 )
 from fthsdp.services.checkpoint.client_errors import CheckpointError, ConflictError, NotFoundError
 from fthsdp.services.checkpoint.client_fetch import Source, fetch_checkpoint, fetch_snapshot
-from fthsdp.services.common.backoff import Backoff, sleep_before_retry
+from fthsdp.services.common.backoff import Backoff
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.plan import Source as PlanSource
@@ -72,11 +73,18 @@ class PeerState:
             return
         self._published = step
 
-    def fetch_peer(self, sources: Sequence[PlanSource], step: int) -> State:
+    def fetch_peer(
+        self,
+        sources: Sequence[PlanSource],
+        step: int,
+        *,
+        cancelled: threading.Event | None = None,
+    ) -> State:
         """Fetches the healthy replicas' state of `step`, striped over `sources`.
 
         The sources publish when they see the same quorum, so a snapshot that is not there yet
-        is waited for (with backoff) until the fetch deadline."""
+        is waited for (with backoff) until the fetch deadline, or until `cancelled` is set."""
+        cancelled = cancelled or threading.Event()
         if not sources:
             raise StateFetchError("no healthy source assigned")
         deadline = time.monotonic() + self._config.fetch_timeout.total_seconds()
@@ -85,6 +93,8 @@ class PeerState:
         targets = [Source(url=s.url, replica_id=s.replica_id) for s in sources]
         while True:
             left = deadline - time.monotonic()
+            if cancelled.is_set():
+                raise StateFetchError(f"fetching step {step} was cancelled")
             try:
                 fetched = fetch_snapshot(
                     targets,
@@ -96,8 +106,10 @@ class PeerState:
                 )
                 return fetched.tensors, fetched.meta
             except NotFoundError as exc:
-                if not sleep_before_retry(waits, deadline):
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise StateFetchError(f"step {step} was never published: {exc}") from exc
+                cancelled.wait(min(next(waits), left))
             except (CheckpointError, TimeoutError) as exc:
                 raise StateFetchError(f"fetching step {step} failed: {exc}") from exc
 

@@ -7,7 +7,7 @@ small collective, and reuse their previous plan; any other change sends the whol
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.plan import StepPlan, decode_plan, fallback_payload, steady_max_step
@@ -26,14 +26,18 @@ class PlanChannel:
         config: ManagerConfig,
         group: ReplicaGroup,
         link: QuorumLink | None,
-        executor: Executor,
     ) -> None:
         if group.is_leader != (link is not None):
             raise ValueError("the replica leader, and only it, has a quorum link")
         self._config = config
         self._group = group
         self._link = link
-        self._executor = executor
+        # Its own thread: a quorum request never queues behind a catch-up fetch or a record.
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fthsdp-quorum")
+            if link is not None
+            else None
+        )
         self._pending: Future[bytes] | None = None
         self.plan: StepPlan | None = None
         """The plan received last (None before the first)."""
@@ -43,7 +47,7 @@ class PlanChannel:
     def request(self, step: int, *, commit_failed: bool = False) -> None:
         """Leader: asks for `step`'s quorum in the background unless a request is out already;
         other ranks: nothing."""
-        if self._link is not None and self._pending is None:
+        if self._executor is not None and self._pending is None:
             self._pending = self._executor.submit(self._ask, step, commit_failed)
 
     def _ask(self, step: int, commit_failed: bool) -> bytes:
@@ -77,3 +81,8 @@ class PlanChannel:
             self._sent = payload
         self.plan = plan
         return plan
+
+    def close(self) -> None:
+        """Drops a request not started yet; one in flight ends with the quorum link's close."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

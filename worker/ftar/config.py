@@ -34,7 +34,8 @@ class FtarConfig:
     """Bound on moving one started chunk (and on sending once the right neighbour is ready)."""
 
     exchange_timeout: timedelta = timedelta(seconds=60)
-    """Bound on one whole exchange, including waiting for late neighbours to start it."""
+    """Bound on one whole exchange, including waiting for late neighbours to start it. Under a
+    `Manager` it is `ManagerConfig.exchange_timeout` (leave this unset there)."""
 
     connect_timeout: timedelta = timedelta(seconds=10)
     """Bound on ``reconfigure`` establishing both neighbour connections (with retries)."""
