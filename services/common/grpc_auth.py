@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
+from fthsdp.services.common.errors import ERROR_CODE_KEY, AuthError
 from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
@@ -33,19 +34,12 @@ else:  # the runtime class is not generic
 
 
 class BearerAuth(_Interceptor):
-    """UNAUTHENTICATED for a missing or wrong token; `on_refused` counts refusals, and
-    `trailing` (key, value) pairs go with each refusal (a service's error-kind metadata)."""
+    """UNAUTHENTICATED for a missing or wrong token, with the `AuthError` code in its trailing
+    metadata as every service's errors carry theirs; `on_refused` counts refusals."""
 
-    def __init__(
-        self,
-        token: Token,
-        *,
-        on_refused: Callable[[], None] = lambda: None,
-        trailing: tuple[tuple[str, str], ...] = (),
-    ) -> None:
+    def __init__(self, token: Token, *, on_refused: Callable[[], None] = lambda: None) -> None:
         self._token = token
         self._on_refused = on_refused
-        self._trailing = trailing
         self._guarded: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         """Method -> its guarded handler, built once (a service's handlers never change)."""
 
@@ -73,12 +67,9 @@ class BearerAuth(_Interceptor):
         return self._refusal(handler)
 
     def _refusal(self, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-        trailing = self._trailing
-
         async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
-            if trailing:
-                context.set_trailing_metadata(trailing)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+            context.set_trailing_metadata(((ERROR_CODE_KEY, AuthError.code),))
+            await context.abort(AuthError.grpc_status, _MESSAGE)
             raise AssertionError("abort returned")  # pragma: no cover
 
         async def refuse_stream(

@@ -6,28 +6,17 @@ ConnectionError)."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_types import (
-    HealthAuthError,
+    ERROR_WIRE,
     HealthError,
     HealthTimeoutError,
     HealthUnavailableError,
-    InvalidReportError,
-    NotFoundError,
-    UpstreamError,
 )
-
-_ERRORS: dict[int, type[HealthError]] = {
-    400: InvalidReportError,
-    401: HealthAuthError,
-    404: NotFoundError,
-    502: UpstreamError,
-    503: HealthUnavailableError,
-}
 
 
 class HealthClient:
@@ -101,9 +90,13 @@ class HealthClient:
 
 
 def _error(response: httpx.Response) -> HealthError:
+    """The typed error of an error response: by the body's `error` code, else by the status."""
+    code, detail = None, response.text[:200]
     try:
-        detail = str(response.json().get("detail", ""))
+        body = response.json()
     except ValueError:
-        detail = response.text[:200]
-    cls = _ERRORS.get(response.status_code, HealthError)
-    return cls(f"HTTP {response.status_code}: {detail}")
+        body = None
+    if isinstance(body, dict):
+        code, detail = str(body.get("error", "")), str(body.get("detail", ""))
+    status = response.status_code
+    return cast(HealthError, ERROR_WIRE.from_http(status, f"HTTP {status}: {detail}", code))

@@ -1,10 +1,14 @@
 """Errors and wire bounds of the health service, shared by its clients and its servers.
 
-One error root (`HealthError`): clients raise these typed errors and never gRPC or HTTP types;
-the servers map them through one table each (`server.ERROR_TABLE`, `app.ERROR_STATUS`)."""
+One error root (`HealthError`): clients raise these typed errors and never gRPC or HTTP types.
+Each class names its code and statuses (`services.common.errors`); the servers answer with them
+and the clients map back through `ERROR_WIRE`."""
 
 from __future__ import annotations
 
+import grpc
+
+from fthsdp.services.common import errors as common_errors
 from fthsdp.services.common.parse import MAX_STEP
 
 MAX_ID_CHARS = 128
@@ -28,46 +32,67 @@ MAX_CLOCK_VALUE = 1e11
 """Times are Unix seconds; anything beyond year 5138 is a unit mistake."""
 
 
-class HealthError(Exception):
+class HealthError(common_errors.ServiceError):
     """Root of every error the health service or its clients raise."""
-
-    code = "internal"
 
 
 class InvalidReportError(HealthError, ValueError):
     """A request is malformed or out of bounds (gRPC INVALID_ARGUMENT, HTTP 400)."""
 
     code = "invalid_argument"
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
 
 
-class HealthAuthError(HealthError):
+class HealthAuthError(HealthError, common_errors.AuthError):
     """No valid bearer token (gRPC UNAUTHENTICATED, HTTP 401)."""
-
-    code = "unauthorized"
 
 
 class HealthUnavailableError(HealthError, ConnectionError):
     """The service is unreachable, draining or overloaded (gRPC UNAVAILABLE, HTTP 503)."""
 
     code = "unavailable"
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
 
 
 class HealthTimeoutError(HealthError, TimeoutError):
     """A call's deadline passed."""
 
     code = "timeout"
+    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
 
 
 class NotFoundError(HealthError):
     """The resource does not exist (HTTP 404)."""
 
     code = "not_found"
+    grpc_status = grpc.StatusCode.NOT_FOUND
+    http_status = 404
 
 
 class UpstreamError(HealthError):
     """A service the health service reads from (the quorum service) failed (HTTP 502)."""
 
     code = "upstream_unavailable"
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    http_status = 502
+
+
+ERROR_WIRE = common_errors.ErrorWire(
+    (
+        HealthError,
+        InvalidReportError,
+        HealthAuthError,
+        HealthUnavailableError,
+        HealthTimeoutError,
+        NotFoundError,
+        UpstreamError,
+    ),
+    fallback=HealthError,
+)
+"""How a client maps a failed call back to its class."""
 
 
 def check_id(value: str, what: str = "replica_id") -> str:

@@ -1,5 +1,5 @@
 """The health service's gRPC wire: `fthsdp.v1.HealthService/Report` on grpc.aio, the bearer-token
-interceptor, the error table, grpc.health.v1 and reflection; embeddable as `IngestServer`.
+interceptor, grpc.health.v1 and reflection; embeddable as `IngestServer`.
 
 The handler only decodes and validates a batch (`client_codec.batch_from_pb`, which also rebases
 the sender's times onto this host's clock) and hands it to an `IngestSink`: the central engine
@@ -20,39 +20,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fthsdp.protos import health_pb2 as pb
+from fthsdp.services.common.errors import ERROR_CODE_KEY, grpc_failure
 from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import ReportBatch, batch_from_pb
 from fthsdp.services.health.client_types import (
     MAX_MESSAGE_BYTES,
-    HealthAuthError,
     HealthError,
     HealthUnavailableError,
-    InvalidReportError,
 )
 from fthsdp.services.health.metrics import HealthMetrics
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HealthService"].full_name
-ERROR_KIND_KEY = "fthsdp-error"
-
-ERROR_TABLE: dict[type[HealthError], grpc.StatusCode] = {
-    InvalidReportError: grpc.StatusCode.INVALID_ARGUMENT,
-    HealthAuthError: grpc.StatusCode.UNAUTHENTICATED,
-    HealthUnavailableError: grpc.StatusCode.UNAVAILABLE,
-}
-"""Domain error -> gRPC status; the most derived class wins. Anything else is INTERNAL with a
-generic message (the traceback stays in the log)."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
-    """(code, kind, message) for an exception raised while handling a request."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_TABLE:
-            assert isinstance(exc, HealthError)
-            return ERROR_TABLE[cls], exc.code, str(exc)
-    return grpc.StatusCode.INTERNAL, "internal", "internal error (see the health service log)"
+    """(status, code, message) answered for an exception raised while handling a request."""
+    return grpc_failure(exc, "health service")
 
 
 class IngestSink(Protocol):
@@ -97,7 +83,7 @@ class _Servicer:
             self._metrics.requests.labels(method="Report", code="OK").inc()
             return pb.ReportResponse(accepted=batch.size())
         self._metrics.requests.labels(method="Report", code=code.name).inc()
-        context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
+        context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))
         await context.abort(code, message)
         raise AssertionError("abort returned")  # pragma: no cover
 
@@ -138,13 +124,7 @@ class IngestServer:
         if self._server is not None:
             raise RuntimeError("IngestServer.start() called twice")
         server = grpc.aio.server(
-            interceptors=[
-                BearerAuth(
-                    self._token,
-                    on_refused=self._metrics.auth_failures.inc,
-                    trailing=((ERROR_KIND_KEY, HealthAuthError.code),),
-                )
-            ],
+            interceptors=[BearerAuth(self._token, on_refused=self._metrics.auth_failures.inc)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", 1024 * 1024),

@@ -25,11 +25,13 @@ import grpc
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.protos import quorum_pb2_grpc as pb_grpc
 from fthsdp.services.common.backoff import Backoff
+from fthsdp.services.common.errors import code_in
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client_failover import Failover, parse_addresses
 from fthsdp.services.quorum.client_retry import CallRetry
 from fthsdp.services.quorum.client_types import (
+    ERROR_WIRE,
     AuthError,
     EventKind,
     InternalError,
@@ -103,8 +105,8 @@ _STALE_LEADER = "answer from a deposed quorum leader (older lease epoch); asking
 
 def _translate(err: grpc.RpcError) -> QuorumError:
     call = cast(grpc.Call, err)
-    kind = codec.error_kind(cast(Any, call.trailing_metadata()))
-    return codec.error_from_status(call.code(), call.details() or "", kind)
+    code = code_in(cast(Any, call.trailing_metadata()))
+    return cast(QuorumError, ERROR_WIRE.from_grpc(call.code(), call.details() or "", code))
 
 
 def _refusal(err: grpc.RpcError) -> QuorumUnavailableError:

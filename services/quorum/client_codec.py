@@ -1,6 +1,7 @@
-"""Wire mapping of the quorum service: domain objects <-> `fthsdp.v1` messages, gRPC status <->
-typed errors. One module for both directions, so the server's encoding and the clients' decoding
-cannot drift apart (a `client*` module, so the worker may import it)."""
+"""Wire mapping of the quorum service: domain objects <-> `fthsdp.v1` messages (errors travel by
+the classes' own codes: `client_types.ERROR_WIRE`). One module for both directions, so the
+server's encoding and the clients' decoding cannot drift apart (a `client*` module, so the worker
+may import it)."""
 
 from __future__ import annotations
 
@@ -8,54 +9,19 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
-import grpc
-
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.services.quorum.client_types import (
-    AuthError,
     EventKind,
     InternalError,
-    InvalidRequestError,
     Member,
     MembershipEvent,
-    MembershipTooLargeError,
     MemberStatus,
     Quorum,
-    QuorumError,
     QuorumSummary,
-    QuorumTimeoutError,
-    QuorumUnavailableError,
     RankEndpoint,
-    StaleIncarnationError,
     StatusSnapshot,
-    SupersededRequestError,
-    UnknownReplicaError,
-    WorldSizeMismatchError,
 )
 
-ERROR_KIND_KEY = "fthsdp-error-kind"
-"""Trailing metadata key naming the domain error behind a non-OK status."""
-
-_KIND_TO_ERROR: dict[str, type[QuorumError]] = {
-    "invalid_argument": InvalidRequestError,
-    "stale_incarnation": StaleIncarnationError,
-    "unknown_replica": UnknownReplicaError,
-    "world_size_mismatch": WorldSizeMismatchError,
-    "membership_too_large": MembershipTooLargeError,
-    "superseded": SupersededRequestError,
-}
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[QuorumError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.FAILED_PRECONDITION: StaleIncarnationError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: QuorumTimeoutError,
-    grpc.StatusCode.UNAVAILABLE: QuorumUnavailableError,
-    # Clients never cancel a unary call: CANCELLED is a server that stopped (a restart, a
-    # shutdown whose grace ran out) with the call in flight. Another try, or another instance,
-    # answers it.
-    grpc.StatusCode.CANCELLED: QuorumUnavailableError,
-    grpc.StatusCode.ABORTED: SupersededRequestError,
-}
 _EVENT_KINDS: dict[pb.EventKind.ValueType, EventKind] = {
     pb.EVENT_KIND_SNAPSHOT: "snapshot",
     pb.EVENT_KIND_JOINED: "joined",
@@ -64,23 +30,6 @@ _EVENT_KINDS: dict[pb.EventKind.ValueType, EventKind] = {
     pb.EVENT_KIND_QUORUM: "quorum",
 }
 _EVENT_CODES: dict[EventKind, pb.EventKind.ValueType] = {v: k for k, v in _EVENT_KINDS.items()}
-
-
-def error_from_status(code: grpc.StatusCode, details: str, kind: str | None) -> QuorumError:
-    """The typed error a non-OK status stands for (the server names it in trailing metadata)."""
-    cls = _KIND_TO_ERROR.get(kind or "") or _CODE_TO_ERROR.get(code, InternalError)
-    return cls(details or code.name)
-
-
-def error_kind(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
-    """The error kind carried by trailing metadata, if any."""
-    for key, value in metadata or ():
-        if key == ERROR_KIND_KEY:
-            return value.decode() if isinstance(value, bytes) else value
-    return None
-
-
-# ---- endpoints ------------------------------------------------------------------------------
 
 
 def ranks_to_pb(ranks: Sequence[RankEndpoint]) -> list[pb.RankEndpoint]:

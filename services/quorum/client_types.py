@@ -12,6 +12,10 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Literal
 
+import grpc
+
+from fthsdp.services.common import errors as common_errors
+
 EventKind = Literal["snapshot", "joined", "left", "evicted", "quorum"]
 
 _EMPTY_SOURCES: Mapping[str, tuple[tuple[str, ...], ...]] = MappingProxyType({})
@@ -175,49 +179,101 @@ class StatusSnapshot:
 # ---- errors: one root, so callers can catch everything the quorum service raises ------------
 
 
-class QuorumError(Exception):
+class QuorumError(common_errors.ServiceError):
     """Root of every error the quorum service or its clients raise."""
 
 
 class InvalidRequestError(QuorumError, ValueError):
     """The request is malformed (gRPC INVALID_ARGUMENT): fix the caller, retrying cannot help."""
 
+    code = "invalid_argument"
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
 
 class StaleIncarnationError(QuorumError):
     """The caller's incarnation is no longer current: superseded by a newer Join, evicted, or left
     (gRPC FAILED_PRECONDITION). The replica must Join again."""
+
+    code = "stale_incarnation"
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
 
 
 class UnknownReplicaError(StaleIncarnationError):
     """The service has no record of this replica or incarnation (never joined, or the service
     restarted without a durable store). Like a stale incarnation: Join again."""
 
+    code = "unknown_replica"
+
 
 class WorldSizeMismatchError(QuorumError):
     """The joining replica's world size differs from the current members' (FAILED_PRECONDITION)."""
+
+    code = "world_size_mismatch"
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
 
 
 class MembershipTooLargeError(QuorumError):
     """Admitting the joining replica would make the membership's endpoints too large for the
     answers that carry them (Quorum, Status) to fit in one message (gRPC RESOURCE_EXHAUSTED)."""
 
+    code = "membership_too_large"
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 422
 
-class AuthError(QuorumError):
+
+class AuthError(QuorumError, common_errors.AuthError):
     """The request carried no valid bearer token (gRPC UNAUTHENTICATED)."""
 
 
 class QuorumTimeoutError(QuorumError, TimeoutError):
     """The call's deadline passed (for Quorum: no quorum including the caller formed in time)."""
 
+    code = "timeout"
+    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
 
 class QuorumUnavailableError(QuorumError, ConnectionError):
     """The service could not be reached, or was shutting down, until the call's retry budget ran
     out (gRPC UNAVAILABLE)."""
 
+    code = "unavailable"
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
 
 class SupersededRequestError(QuorumError):
     """A newer Quorum request of the same replica replaced this one (gRPC ABORTED)."""
 
+    code = "superseded"
+    grpc_status = grpc.StatusCode.ABORTED
+    http_status = 409
+
 
 class InternalError(QuorumError):
     """The service failed unexpectedly (gRPC INTERNAL or an unmapped status)."""
+
+
+ERROR_WIRE = common_errors.ErrorWire(
+    (
+        InternalError,
+        InvalidRequestError,
+        StaleIncarnationError,
+        UnknownReplicaError,
+        WorldSizeMismatchError,
+        MembershipTooLargeError,
+        AuthError,
+        QuorumTimeoutError,
+        QuorumUnavailableError,
+        SupersededRequestError,
+    ),
+    # The client never cancels a unary call: CANCELLED is a server that stopped (a restart, a
+    # shutdown whose grace ran out) with the call in flight. Another try, or instance, answers.
+    grpc_transport={grpc.StatusCode.CANCELLED: QuorumUnavailableError},
+    fallback=InternalError,
+)
+"""How a client maps a failed call back to its class (server-only errors such as a standby's
+`NotLeaderError` arrive as what their status says: unavailable)."""

@@ -2,9 +2,12 @@
 
 The classes are defined in `client_types` so that the worker, which may import only a service's
 client modules, catches the very same classes the server raises; this module is the server-side
-name for them. `server.ERROR_TABLE` maps each to a gRPC status; `client_codec` maps back."""
+name for them. Each class names its code and statuses (`services.common.errors`); the server-only
+ones below arrive at clients as what their status says: unavailable, ask another instance."""
 
 from __future__ import annotations
+
+import grpc
 
 from fthsdp.services.quorum.client_types import (
     AuthError,
@@ -24,16 +27,28 @@ from fthsdp.services.quorum.client_types import (
 class ShuttingDownError(QuorumError):
     """The service is draining; the caller should retry (against a standby) (gRPC UNAVAILABLE)."""
 
+    code = "shutting_down"
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
 
 class NotLeaderError(QuorumError):
     """This instance is a standby (or just stepped down): ask another address (gRPC
     UNAVAILABLE, so clients fail over by themselves)."""
+
+    code = "not_leader"
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
 
 
 class StoreUnavailableError(QuorumError):
     """The leader cannot write a new quorum to its store (gRPC UNAVAILABLE): it must not answer
     with an epoch the store could lose (I3), so callers treat it as an unreachable service and
     go on with the quorum they have while the membership is unchanged."""
+
+    code = "store_unavailable"
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
 
 
 class FencedError(NotLeaderError):

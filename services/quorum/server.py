@@ -24,24 +24,17 @@ from grpc_reflection.v1alpha import reflection
 
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.services.common.admin import AdminServer
+from fthsdp.services.common.errors import ERROR_CODE_KEY, grpc_failure
 from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client_types import (
-    InternalError,
-    InvalidRequestError,
-    MembershipTooLargeError,
     QuorumError,
-    StaleIncarnationError,
-    SupersededRequestError,
-    UnknownReplicaError,
-    WorldSizeMismatchError,
 )
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
 from fthsdp.services.quorum.core import Formation
 from fthsdp.services.quorum.election import CoordinatorSlot
-from fthsdp.services.quorum.errors import NotLeaderError, ShuttingDownError, StoreUnavailableError
 from fthsdp.services.quorum.metrics import QuorumMetrics
 from fthsdp.services.quorum.store import QuorumStore
 
@@ -55,29 +48,10 @@ _MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request: a Join of 4096 ranks x 2 addresses x 256 characters is about 2.1 MiB. A cap
 near what is needed bounds what anyone, token or not, can make the service receive."""
 
-ERROR_TABLE: dict[type[QuorumError], tuple[grpc.StatusCode, str]] = {
-    InvalidRequestError: (grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
-    UnknownReplicaError: (grpc.StatusCode.FAILED_PRECONDITION, "unknown_replica"),
-    StaleIncarnationError: (grpc.StatusCode.FAILED_PRECONDITION, "stale_incarnation"),
-    WorldSizeMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, "world_size_mismatch"),
-    MembershipTooLargeError: (grpc.StatusCode.RESOURCE_EXHAUSTED, "membership_too_large"),
-    SupersededRequestError: (grpc.StatusCode.ABORTED, "superseded"),
-    ShuttingDownError: (grpc.StatusCode.UNAVAILABLE, "shutting_down"),
-    NotLeaderError: (grpc.StatusCode.UNAVAILABLE, "not_leader"),
-    StoreUnavailableError: (grpc.StatusCode.UNAVAILABLE, "store_unavailable"),
-    InternalError: (grpc.StatusCode.INTERNAL, "internal"),
-}
-"""Domain error -> (gRPC status, error kind for the trailing metadata); the most derived class
-wins. Anything else is INTERNAL with a generic message (the traceback stays in the log)."""
-
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
-    """(code, kind, message) for an exception raised by a handler."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_TABLE:
-            code, kind = ERROR_TABLE[cls]
-            return code, kind, str(exc)
-    return grpc.StatusCode.INTERNAL, "internal", "internal error (see the quorum service log)"
+    """(status, code, message) answered for an exception raised by a handler."""
+    return grpc_failure(exc, "quorum service")
 
 
 def _encode(message: Message | bytes) -> bytes:
@@ -140,7 +114,7 @@ class _Servicer:
                 requests.labels(method=name, code="OK").inc()
                 return response
             requests.labels(method=name, code=code.name).inc()
-            context.set_trailing_metadata(((codec.ERROR_KIND_KEY, kind),))
+            context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))
             await context.abort(code, message)
             raise AssertionError("abort returned")  # pragma: no cover
 
@@ -212,7 +186,7 @@ class _Servicer:
             sub = coordinator.subscribe()
         except QuorumError as exc:
             code, kind, message = status_for(exc)
-            context.set_trailing_metadata(((codec.ERROR_KIND_KEY, kind),))
+            context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))
             await context.abort(code, message)
             return
         self._metrics.requests.labels(method="Watch", code="OK").inc()

@@ -9,9 +9,11 @@ import grpc
 import pytest
 
 from fthsdp.protos import quorum_pb2 as pb
+from fthsdp.services.common.errors import AuthError as CommonAuthError
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.__main__ import build_parser, resolve_config
 from fthsdp.services.quorum.client_types import (
+    ERROR_WIRE,
     AuthError,
     InternalError,
     Member,
@@ -24,6 +26,7 @@ from fthsdp.services.quorum.client_types import (
 )
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.core import assign_sources
+from fthsdp.services.quorum.errors import NotLeaderError
 from fthsdp.services.quorum.server import status_for
 
 
@@ -77,22 +80,27 @@ def test_endpoints_are_left_out_and_restored_from_the_cache() -> None:
     assert codec.quorum_from_pb(msg, known) == quorum
 
 
-def test_errors_map_by_kind_then_by_code() -> None:
-    for exc in (UnknownReplicaError("x"), StaleIncarnationError("y")):
-        code, kind, message = status_for(exc)
-        assert code == grpc.StatusCode.FAILED_PRECONDITION
-        assert type(codec.error_from_status(code, message, kind)) is type(exc)
-    assert isinstance(codec.error_from_status(grpc.StatusCode.UNAUTHENTICATED, "", None), AuthError)
-    timeout = codec.error_from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "late", None)
+def test_errors_map_by_code_then_by_status() -> None:
+    for exc in (UnknownReplicaError("x"), StaleIncarnationError("y"), NotLeaderError("z")):
+        status, code, message = status_for(exc)
+        assert status == exc.grpc_status
+        decoded = ERROR_WIRE.from_grpc(status, message, code)
+        # A standby's refusal is a server-only class: clients see what its status says.
+        expected = QuorumUnavailableError if isinstance(exc, NotLeaderError) else type(exc)
+        assert type(decoded) is expected
+    assert status_for(StaleIncarnationError("y"))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    unauthenticated = ERROR_WIRE.from_grpc(grpc.StatusCode.UNAUTHENTICATED, "", None)
+    assert isinstance(unauthenticated, AuthError) and isinstance(unauthenticated, CommonAuthError)
+    timeout = ERROR_WIRE.from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED, "late", None)
     assert isinstance(timeout, QuorumTimeoutError)
     assert isinstance(timeout, TimeoutError)
-    assert isinstance(codec.error_from_status(grpc.StatusCode.DATA_LOSS, "", None), InternalError)
+    assert isinstance(ERROR_WIRE.from_grpc(grpc.StatusCode.DATA_LOSS, "", None), InternalError)
     # A server stopping with the call in flight cancels it: retried like a refusal, never an
     # answer (a replica leader that took it as one would stop its replica).
-    cancelled = codec.error_from_status(grpc.StatusCode.CANCELLED, "", None)
+    cancelled = ERROR_WIRE.from_grpc(grpc.StatusCode.CANCELLED, "", None)
     assert isinstance(cancelled, QuorumUnavailableError)
-    code, _, message = status_for(RuntimeError("secret detail"))
-    assert code == grpc.StatusCode.INTERNAL
+    status, _, message = status_for(RuntimeError("secret detail"))
+    assert status == grpc.StatusCode.INTERNAL
     assert "secret" not in message
 
 
