@@ -68,6 +68,7 @@ class ErrorWire:
         grpc_transport: Mapping[grpc.StatusCode, type[ServiceError]] | None = None,
         http_transport: Mapping[int, type[ServiceError]] | None = None,
     ) -> None:
+        self.classes = tuple(classes)
         self._fallback = fallback
         self._by_code: dict[str, type[ServiceError]] = {}
         self._by_grpc: dict[grpc.StatusCode, type[ServiceError]] = {}
