@@ -103,7 +103,9 @@ def test_overlapping_failures_stall_the_survivors_no_longer_than_a_lone_one(
     assert overlapping >= 2, down
     for failure in failures:
         assert failure["detection_s"] is not None, failure
-        assert failure["detection_s"] < 1.0, failure
+        # The bound is the property: detected by the failure's own signal, before the join
+        # timeout would have dropped the victim anyway (the ~0.1 s figure is bench.recovery's).
+        assert failure["detection_s"] < JOIN_TIMEOUT_S, failure
         assert failure["survivor_stall_s"] is not None, failure
     # Waiting for a restarting replica cost every overlapping failure the join timeout (2 s);
     # now the typical one costs a step. The median, not the max: a survivor caught rebuilding
@@ -153,7 +155,9 @@ def test_hung_replica_is_evicted_by_heartbeat_and_replaced(demo: DemoRunner) -> 
     assert report["failures"]
     for failure in report["failures"]:
         assert failure["detection_s"] is not None
-        assert failure["detection_s"] <= 1.0 + 1.0, failure  # heartbeat timeout + polling slack
+        # The bound is the property: the heartbeat timeout (0.7 s) evicted it, not the join
+        # timeout of the survivors' next round.
+        assert failure["detection_s"] < JOIN_TIMEOUT_S, failure
 
 
 def _teardown_exit(run_dir: Path, replica: str, after: float) -> ExitEvent:

@@ -141,7 +141,9 @@ async def test_a_silent_replica_is_evicted_after_the_heartbeat_timeout(
         quorum = survivors["a"]
         assert [m.replica_id for m in quorum.members] == ["a", "b"]
         assert quorum.quorum_id == first["a"].quorum_id + 1
-        assert 0.4 <= waited < 3.0  # c counted as live until it expired, not a join timeout
+        # c counted as live until it expired (0.5 s): the upper bound is the property, half the
+        # join timeout (30 s) that would otherwise have dropped it.
+        assert 0.4 <= waited < 15.0
         status = await client.status()
         assert [m.replica_id for m in status.members] == ["a", "b"]
     finally:
@@ -171,7 +173,8 @@ async def test_report_failure_evicts_at_once_and_watchers_hear_it(
         assert evicted.members == ("a", "b")
         started = time.monotonic()
         survivors = await form_round(client, {"a": incs["a"], "b": incs["b"]}, 1)
-        assert time.monotonic() - started < 2.0  # not the 10 s heartbeat or 30 s join timeout
+        # The bound is the property: at once, not after the heartbeat timeout (10 s).
+        assert time.monotonic() - started < 5.0
         assert [m.replica_id for m in survivors["a"].members] == ["a", "b"]
         new_quorum = await next_event(events, "quorum")
         assert new_quorum.quorum_id == 2
