@@ -17,8 +17,8 @@ raised, so one bad value cannot poison a batch."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import math
 import queue
 import secrets
 import socket
@@ -26,7 +26,6 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import grpc
 
@@ -34,19 +33,16 @@ from fthsdp.protos import health_pb2 as pb
 from fthsdp.protos import health_pb2_grpc as pb_grpc
 from fthsdp.services.common.process_ref import this_process
 from fthsdp.services.common.tokens import Token
+from fthsdp.services.health.client_codec import RankRecord, add_rank_record
 from fthsdp.services.health.client_types import (
     MAX_BATCH_RECORDS,
     MAX_MESSAGE_BYTES,
-    MAX_OP_CHARS,
     HealthError,
-    check_count,
-    check_duration,
     check_id,
     check_rank,
-    check_step,
     check_text,
-    check_time,
 )
+from fthsdp.services.health.telemetry import CollectiveRecord, Fingerprint, RankId, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +88,7 @@ class TelemetryClient:
         secret = token if isinstance(token, Token) else Token(token)
         self._metadata = (("authorization", secret.header()),)
         self._rank = pb.RankRef(replica_id=replica_id, rank=rank)
+        self._rank_id = RankId(replica_id=replica_id, rank=rank)
         self._host = check_text(host or socket.gethostname() or "localhost", "host")
         self._source = f"{replica_id}/{rank}"
         # Names this start of the rank in every heartbeat: a restarted rank beats with a new
@@ -104,10 +101,10 @@ class TelemetryClient:
         self._flush_s = flush_interval.total_seconds()
         self._max_batch = max_batch
         self._rpc_timeout = rpc_timeout.total_seconds()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[RankRecord] = queue.Queue(maxsize=queue_size)
         self._step = -1
         self._lock = threading.Lock()
-        self._inflight: tuple[str, int, str, float] | None = None
+        self._inflight: CollectiveRecord | None = None
         self._inflight_sent = False
         self._sent_batches = self._sent_records = self._dropped = self._failed = 0
         self._stop = threading.Event()
@@ -150,16 +147,29 @@ class TelemetryClient:
         after this rank's own work was done."""
         if committed:
             self.set_step(step)
-        item = ("step", step, started_at, duration_s, tokens, sum_seq_len_sq, committed)
-        self._put((*item, exchange_wait_s))
+        self._put(
+            StepRecord(
+                rank=self._rank_id,
+                step=step,
+                started_at=started_at,
+                duration_s=duration_s,
+                tokens=tokens,
+                sum_seq_len_sq=sum_seq_len_sq,
+                committed=committed,
+                exchange_wait_s=exchange_wait_s,
+            )
+        )
 
     def enter_collective(self, group: str, seq: int, op: str, *, started_at: float) -> None:
         """This rank is now inside a collective (one at a time). Nothing is queued: a collective
         still open at a flush is sent as an entry (once), and `leave_collective` queues the whole
         passage, so a collective that ends between two flushes costs one record, not two, while
         one that hangs is still seen within a flush interval."""
+        record = CollectiveRecord(
+            rank=self._rank_id, group=group, seq=seq, op=op, started_at=started_at
+        )
         with self._lock:
-            self._inflight = (group, seq, op, started_at)
+            self._inflight = record
             self._inflight_sent = False
 
     def leave_collective(self, *, ended_at: float) -> None:
@@ -167,16 +177,20 @@ class TelemetryClient:
         with self._lock:
             inflight, self._inflight = self._inflight, None
         if inflight is not None:
-            self._put(("collective", *inflight, ended_at))
+            self._put(dataclasses.replace(inflight, ended_at=ended_at))
 
     def fingerprint(self, step: int, digest: str, *, quorum_id: int = 0) -> None:
         """A digest of the replica's parameters at `step`, committed in quorum `quorum_id`
         (identical on the healthy replicas of that quorum)."""
-        self._put(("fingerprint", step, digest, quorum_id))
+        record = Fingerprint(
+            replica_id=self._rank_id.replica_id, step=step, digest=digest, quorum_id=quorum_id
+        )
+        self._put(record)
 
-    def _put(self, item: tuple[Any, ...]) -> None:
+    def _put(self, record: RankRecord) -> None:
+        # Checked on the sending thread (`_encode`), off the caller's.
         try:
-            self._queue.put_nowait(item)
+            self._queue.put_nowait(record)
         except queue.Full:
             self._count_drop(1)
 
@@ -258,7 +272,7 @@ class TelemetryClient:
         entry = self._unsent_entry()
         if entry is not None:
             taken += 1
-            if not self._encode(request, ("collective", *entry, None)):
+            if not self._encode(request, entry):
                 self._count_drop(1)
         if beat:
             hb = request.heartbeats.add(
@@ -277,7 +291,7 @@ class TelemetryClient:
         request.sent_at = time.time()
         return request
 
-    def _unsent_entry(self) -> tuple[str, int, str, float] | None:
+    def _unsent_entry(self) -> CollectiveRecord | None:
         """The open collective, if its entry has not been sent yet (it is marked sent)."""
         with self._lock:
             if self._inflight is None or self._inflight_sent:
@@ -285,60 +299,14 @@ class TelemetryClient:
             self._inflight_sent = True
             return self._inflight
 
-    def _encode(self, request: pb.ReportRequest, item: tuple[Any, ...]) -> bool:
-        """Adds one queued record; False (dropped) when its values are invalid."""
-        record: pb.StepRecord | pb.CollectiveRecord
+    @staticmethod
+    def _encode(request: pb.ReportRequest, record: RankRecord) -> bool:
+        """Adds one queued record; False (dropped) when the service would refuse it."""
         try:
-            kind = item[0]
-            if kind == "step":
-                _, step, started, duration, tokens, seq_sq, committed, wait = item
-                if not 0.0 <= wait <= duration:
-                    return False
-                record = request.steps.add(
-                    step=check_step(step),
-                    started_at=check_time(started, "started_at"),
-                    duration_s=check_duration(duration, "duration_s"),
-                    tokens=check_count(tokens, "tokens"),
-                    sum_seq_len_sq=check_count(seq_sq, "sum_seq_len_sq"),
-                    committed=bool(committed),
-                    exchange_wait_s=float(wait),
-                )
-            elif kind == "collective":
-                record = self._collective(request, *item[1:])
-            else:
-                _, step, digest, quorum_id = item
-                request.fingerprints.add(
-                    replica_id=self._rank.replica_id,
-                    step=check_step(step),
-                    digest=check_id(digest, "digest"),
-                    quorum_id=check_count(quorum_id, "quorum_id"),
-                )
-                return True
+            add_rank_record(request, record)
         except (HealthError, TypeError, ValueError):
             return False
-        record.rank.CopyFrom(self._rank)
         return True
-
-    @staticmethod
-    def _collective(
-        request: pb.ReportRequest,
-        group: str,
-        seq: int,
-        op: str,
-        started: float,
-        ended: float | None,
-    ) -> pb.CollectiveRecord:
-        if not group or (ended is not None and not (math.isfinite(ended) and ended >= started)):
-            raise ValueError("bad collective record")
-        record = request.collectives.add(
-            group=check_text(group, "group"),
-            seq=check_step(seq, "seq"),
-            op=check_text(op, "op", MAX_OP_CHARS),
-            started_at=check_time(started, "started_at"),
-        )
-        if ended is not None:
-            record.ended_at = check_time(ended, "ended_at")
-        return record
 
     def _send(self, request: pb.ReportRequest) -> bool:
         records = (

@@ -330,6 +330,27 @@ def fingerprint_to_pb(record: Fingerprint) -> pb.FingerprintRecord:
     )
 
 
+RankRecord = StepRecord | CollectiveRecord | Fingerprint
+"""What a rank queues for the health service besides its heartbeats."""
+
+
+def add_rank_record(request: pb.ReportRequest, record: RankRecord) -> None:
+    """Appends `record` to `request`, checked by the very decoder the service applies to it:
+    InvalidReportError (or ValueError, TypeError from protobuf) for a record it would refuse."""
+    if isinstance(record, StepRecord):
+        step = step_to_pb(record)
+        _step(step, 0.0)
+        request.steps.append(step)
+    elif isinstance(record, CollectiveRecord):
+        collective = collective_to_pb(record)
+        _collective(collective, 0.0)
+        request.collectives.append(collective)
+    else:
+        fingerprint = fingerprint_to_pb(record)
+        _fingerprint(fingerprint)
+        request.fingerprints.append(fingerprint)
+
+
 def node_to_pb(state: NodeState) -> pb.NodeState:
     return pb.NodeState(
         node=state.node,
