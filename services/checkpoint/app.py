@@ -1,7 +1,8 @@
 """The sidecar's HTTP wire (FastAPI): routes ↔ domain objects, one error table, auth, metrics.
 
 Auth is the rule of every fthsdp HTTP endpoint (`services/common/http_auth.py`): the probes and
-the OpenAPI pages are open, everything else (/v1, /metrics) needs the bearer token. Bodies are
+the OpenAPI pages are open, everything else (/v1, /metrics) needs the bearer token; the pages
+work offline and declare the token (`services/common/api_docs.py`). Bodies are
 bounded by Content-Length before they are read; every domain error maps through `ERROR_STATUS` to
 a JSON `{"error", "detail"}` body; anything unexpected is a 500 without a traceback."""
 
@@ -53,6 +54,7 @@ from fthsdp.services.checkpoint.core import PositionRecord, check_position, pars
 from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
+from fthsdp.services.common.api_docs import install_docs
 from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
 from fthsdp.services.common.parse import MAX_STEP, ascii_int
@@ -268,7 +270,10 @@ def create_app(services: Services) -> FastAPI:
         title="fthsdp checkpoint sidecar",
         version="1",
         description="Serves peer snapshots, writes durable checkpoints, records data positions.",
+        docs_url=None,
+        redoc_url=None,
     )
+    install_docs(app)
     install_error_handlers(app, CheckpointError, ERROR_STATUS)
     _health_routes(app, services)
     _snapshot_routes(app, services)

@@ -5,7 +5,8 @@ Auth is the rule of every fthsdp HTTP endpoint (`services/common/http_auth.py`: 
 the OpenAPI pages are open, everything else, /metrics included, needs the bearer token), plus the
 dashboard shell and its static files (the page reads the token from its URL fragment,
 `#token=...`, which browsers never send to the server, and presents it as an Authorization header
-on its API calls).
+on its API calls). /docs and /redoc work offline and declare the token
+(`services/common/api_docs.py`); the JSON shapes are `api_models.py`.
 
 Errors: one table (`ERROR_STATUS`) from domain errors to statuses; every error body is JSON
 `{"error": code, "detail": text}`; malformed parameters are 400 `invalid_argument`; anything
@@ -29,14 +30,25 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fthsdp.services.common.api_docs import install_docs
 from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
 from fthsdp.services.common.http_limits import MAX_HEADER_BYTES, BoundedH11Protocol
 from fthsdp.services.common.parse import ascii_int
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
+from fthsdp.services.health.api_models import (
+    DetectorChanges,
+    DetectorSettings,
+    Incidents,
+    NodeStatus,
+    QuorumHistory,
+    Records,
+    Replicas,
+)
 from fthsdp.services.health.client_codec import incident_to_json
 from fthsdp.services.health.client_types import (
     MAX_CLOCK_VALUE,
@@ -159,7 +171,10 @@ def create_central_app(context: ApiContext) -> FastAPI:
         title="fthsdp health service",
         version="1",
         description="Replicas, incidents with evidence, quorum history, detector settings.",
+        docs_url=None,
+        redoc_url=None,
     )
+    install_docs(app, open_paths=_OPEN_PATHS)
     install_error_handlers(app, HealthError, ERROR_STATUS)
     _probe_routes(app, context)
     _state_routes(app, context.engine)
@@ -173,11 +188,12 @@ def create_agent_app(context: ApiContext) -> FastAPI:
     """A node agent's small API: probes, metrics, and its node's state."""
     agent = context.agent
     assert agent is not None
-    app = FastAPI(title="fthsdp health node agent", version="1")
+    app = FastAPI(title="fthsdp health node agent", version="1", docs_url=None, redoc_url=None)
+    install_docs(app, open_paths=_OPEN_PATHS)
     install_error_handlers(app, HealthError, ERROR_STATUS)
     _probe_routes(app, context)
 
-    @app.get("/v1/node", tags=["agent"])
+    @app.get("/v1/node", tags=["agent"], response_model=NodeStatus)
     async def node() -> dict[str, Any]:
         state = agent.node_state()
         return {
@@ -196,7 +212,7 @@ Limit = Annotated[int, Query(ge=1, le=1000)]
 
 
 def _state_routes(app: FastAPI, engine: CentralEngine) -> None:
-    @app.get("/v1/replicas", tags=["state"])
+    @app.get("/v1/replicas", tags=["state"], response_model=Replicas)
     async def replicas() -> dict[str, Any]:
         return {
             "now": engine.now(),
@@ -204,7 +220,7 @@ def _state_routes(app: FastAPI, engine: CentralEngine) -> None:
             "nodes": [asdict(n) for n in engine.nodes()],
         }
 
-    @app.get("/v1/incidents", tags=["state"])
+    @app.get("/v1/incidents", tags=["state"], response_model=Incidents)
     async def incidents(
         since: Since = None, kind: IncidentKind | None = None, limit: Limit = 100
     ) -> dict[str, Any]:
@@ -216,18 +232,25 @@ def _state_routes(app: FastAPI, engine: CentralEngine) -> None:
             raise HealthUnavailableError(f"the telemetry store failed: {exc}") from None
         return {"incidents": [incident_to_json(i) for i in found]}
 
-    @app.get("/v1/records/{kind}", tags=["state"])
+    @app.get("/v1/records/{kind}", tags=["state"], response_model=Records)
     async def records(kind: str, limit: Limit = 100) -> dict[str, Any]:
         if kind not in RECORD_KINDS:
             raise NotFoundError(f"no record kind {kind!r}; one of {', '.join(RECORD_KINDS)}")
         record_kind: RecordKind = kind
         return {"records": await engine.store.records(record_kind, limit)}
 
-    @app.get("/v1/detectors", tags=["settings"])
+    @app.get("/v1/detectors", tags=["settings"], response_model=DetectorSettings)
     async def get_detectors() -> dict[str, Any]:
         return engine.detectors.to_dict()
 
-    @app.put("/v1/detectors", tags=["settings"])
+    # The body is described, not parsed, by its model: DetectorConfig.from_dict is the one check
+    # (its 400s and their texts are the API's; the model would answer with its own).
+    @app.put(
+        "/v1/detectors",
+        tags=["settings"],
+        response_model=DetectorSettings,
+        openapi_extra={"requestBody": _json_body(DetectorChanges)},
+    )
     async def put_detectors(request: Request) -> dict[str, Any]:
         """Changes detector settings: the body's keys override the current ones."""
         changes = _json_object(await request.body())
@@ -237,6 +260,11 @@ def _state_routes(app: FastAPI, engine: CentralEngine) -> None:
             raise InvalidReportError(str(exc)) from None
         engine.reconfigure(config)
         return config.to_dict()
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -254,7 +282,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def _quorum_routes(app: FastAPI, quorum: QuorumLink | None) -> None:
-    @app.get("/v1/quorum/history", tags=["quorum"])
+    @app.get("/v1/quorum/history", tags=["quorum"], response_model=QuorumHistory)
     async def quorum_history(limit: Annotated[int, Query(ge=1, le=128)] = 32) -> dict[str, Any]:
         if quorum is None:
             return {"configured": False, "quorum_id": 0, "members": [], "quorums": []}
@@ -331,6 +359,9 @@ class HttpServer:
         config = uvicorn.Config(
             app,
             log_level="warning",
+            # uvicorn's lines go through the process's one handler (services.common.logs)
+            # instead of uvicorn's own, so a JSON log stays JSON.
+            log_config=None,
             access_log=False,
             lifespan="off",
             ws="none",
