@@ -1,10 +1,11 @@
-"""The sidecar's HTTP wire (FastAPI): routes ↔ domain objects, one error table, auth, metrics.
+"""The sidecar's HTTP wire (FastAPI): routes ↔ domain objects, errors, auth, metrics.
 
 Auth is the rule of every fthsdp HTTP endpoint (`services/common/http_auth.py`): the probes and
 the OpenAPI pages are open, everything else (/v1, /metrics) needs the bearer token; the pages
-work offline and declare the token (`services/common/api_docs.py`). Bodies are
-bounded by Content-Length before they are read; every domain error maps through `ERROR_STATUS` to
-a JSON `{"error", "detail"}` body; anything unexpected is a 500 without a traceback."""
+work offline and declare the token (`services/common/api_docs.py`). Bodies are bounded by
+Content-Length before they are read; every domain error answers with the status it names
+(`services.common.errors`) and a JSON `{"error", "detail"}` body; anything unexpected is a 500
+without a traceback."""
 
 from __future__ import annotations
 
@@ -28,17 +29,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fthsdp.services.checkpoint.client_errors import (
     CheckpointError,
-    ConflictError,
-    CorruptionError,
-    GoneError,
-    InvalidArgumentError,
     NotFoundError,
     NotReadyError,
     PayloadTooLargeError,
-    RangeNotSatisfiableError,
-    SourcesDisagreeError,
-    SourceUnavailableError,
-    UnauthorizedError,
 )
 from fthsdp.services.checkpoint.client_manifest import (
     ID_PATTERN,
@@ -56,32 +49,11 @@ from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
 from fthsdp.services.common.api_docs import install_docs
 from fthsdp.services.common.http_auth import OPEN_PATHS
-from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.http_errors import error_response, install_error_handlers
 from fthsdp.services.common.parse import MAX_STEP, ascii_int
 from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
-
-ERROR_STATUS: dict[type[CheckpointError], int] = {
-    InvalidArgumentError: 400,
-    UnauthorizedError: 401,
-    NotFoundError: 404,
-    GoneError: 410,
-    ConflictError: 409,
-    PayloadTooLargeError: 413,
-    RangeNotSatisfiableError: 416,
-    CorruptionError: 500,
-    SourcesDisagreeError: 500,
-    SourceUnavailableError: 502,
-    NotReadyError: 503,
-    CheckpointError: 500,
-}
-"""The one table from domain errors to HTTP statuses (the most specific class wins)."""
-
-
-def status_of(error: CheckpointError) -> int:
-    """The HTTP status of a domain error (see `ERROR_STATUS`)."""
-    return status_in(ERROR_STATUS, error)
 
 
 class Metrics:
@@ -274,7 +246,7 @@ def create_app(services: Services) -> FastAPI:
         redoc_url=None,
     )
     install_docs(app)
-    install_error_handlers(app, CheckpointError, ERROR_STATUS)
+    install_error_handlers(app, CheckpointError)
     _health_routes(app, services)
     _snapshot_routes(app, services)
     _checkpoint_routes(app, services)

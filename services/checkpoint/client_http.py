@@ -13,16 +13,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from fthsdp.services.checkpoint.client_errors import (
-    ERRORS_BY_CODE,
+    ERROR_WIRE,
     CheckpointError,
     InvalidArgumentError,
-    NotFoundError,
     NotReadyError,
-    UnauthorizedError,
 )
 from fthsdp.services.common.backoff import Backoff, sleep_before_retry
 from fthsdp.services.common.tokens import Token
@@ -113,16 +111,7 @@ def error_from_response(resp: http.client.HTTPResponse) -> CheckpointError:
             detail = str(parsed.get("detail", detail))
     except ValueError:
         pass
-    cls = ERRORS_BY_CODE.get(code)
-    if cls is None:
-        cls = {
-            400: InvalidArgumentError,
-            401: UnauthorizedError,
-            404: NotFoundError,
-            422: InvalidArgumentError,
-            503: NotReadyError,
-        }.get(resp.status, CheckpointError)
-    return cls(detail)
+    return cast(CheckpointError, ERROR_WIRE.from_http(resp.status, detail, code))
 
 
 def read_json(resp: http.client.HTTPResponse) -> Any:

@@ -1,18 +1,18 @@
 """The HTTP error contract every fthsdp FastAPI service shares: a JSON body
-`{"error": <code>, "detail": <text>}`, one table from a service's domain errors to statuses, and
-the handlers that apply it (request validation is 400, unknown errors 500 without a traceback on
-the wire)."""
+`{"error": <code>, "detail": <text>}` with the status the domain error names
+(`services.common.errors`), and the handlers that apply it (request validation is 400, unknown
+errors 500 without a traceback on the wire)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fthsdp.services.common.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +28,13 @@ def error_response(status: int, code: str, detail: str) -> JSONResponse:
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
-def status_in(table: Mapping[Any, int], error: Exception) -> int:
-    """The status of `error` in `table` (the most derived class wins; anything else is 500)."""
-    for cls in type(error).__mro__:
-        if cls in table:
-            return table[cls]
-    return 500
-
-
-def install_error_handlers(app: FastAPI, root: type[Exception], table: Mapping[Any, int]) -> None:
-    """Maps `root` and its subclasses (each with a `code` attribute) through `table`, and every
-    other failure to the shared contract."""
+def install_error_handlers(app: FastAPI, root: type[ServiceError]) -> None:
+    """Answers `root` and its subclasses with the status and code each names, and every other
+    failure by the shared contract."""
 
     async def domain(_: Request, exc: Exception) -> Response:
-        return error_response(status_in(table, exc), str(getattr(exc, "code", "error")), str(exc))
+        assert isinstance(exc, ServiceError)
+        return error_response(exc.http_status, exc.code, str(exc))
 
     async def invalid(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

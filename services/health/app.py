@@ -8,7 +8,7 @@ dashboard shell and its static files (the page reads the token from its URL frag
 on its API calls). /docs and /redoc work offline and declare the token
 (`services/common/api_docs.py`); the JSON shapes are `api_models.py`.
 
-Errors: one table (`ERROR_STATUS`) from domain errors to statuses; every error body is JSON
+Errors: each domain error names its status (`services.common.errors`); every error body is JSON
 `{"error": code, "detail": text}`; malformed parameters are 400 `invalid_argument`; anything
 unexpected is a 500 without a traceback."""
 
@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fthsdp.services.common.api_docs import install_docs
 from fthsdp.services.common.http_auth import OPEN_PATHS
-from fthsdp.services.common.http_errors import error_response, install_error_handlers, status_in
+from fthsdp.services.common.http_errors import error_response, install_error_handlers
 from fthsdp.services.common.http_limits import MAX_HEADER_BYTES, BoundedH11Protocol
 from fthsdp.services.common.parse import ascii_int
 from fthsdp.services.common.tokens import Token
@@ -52,12 +52,10 @@ from fthsdp.services.health.api_models import (
 from fthsdp.services.health.client_codec import incident_to_json
 from fthsdp.services.health.client_types import (
     MAX_CLOCK_VALUE,
-    HealthAuthError,
     HealthError,
     HealthUnavailableError,
     InvalidReportError,
     NotFoundError,
-    UpstreamError,
 )
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
@@ -71,20 +69,6 @@ log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 64 * 1024
 _OPEN_PATHS = OPEN_PATHS | {"/", "/dashboard"}
-
-ERROR_STATUS: dict[type[HealthError], int] = {
-    InvalidReportError: 400,
-    HealthAuthError: 401,
-    NotFoundError: 404,
-    UpstreamError: 502,
-    HealthUnavailableError: 503,
-}
-"""Domain error -> HTTP status (the most derived class wins; anything else is 500)."""
-
-
-def status_of(error: HealthError) -> int:
-    """The HTTP status of a domain error (see `ERROR_STATUS`)."""
-    return status_in(ERROR_STATUS, error)
 
 
 @dataclass(slots=True)
@@ -175,7 +159,7 @@ def create_central_app(context: ApiContext) -> FastAPI:
         redoc_url=None,
     )
     install_docs(app, open_paths=_OPEN_PATHS)
-    install_error_handlers(app, HealthError, ERROR_STATUS)
+    install_error_handlers(app, HealthError)
     _probe_routes(app, context)
     _state_routes(app, context.engine)
     _quorum_routes(app, context.quorum)
@@ -190,7 +174,7 @@ def create_agent_app(context: ApiContext) -> FastAPI:
     assert agent is not None
     app = FastAPI(title="fthsdp health node agent", version="1", docs_url=None, redoc_url=None)
     install_docs(app, open_paths=_OPEN_PATHS)
-    install_error_handlers(app, HealthError, ERROR_STATUS)
+    install_error_handlers(app, HealthError)
     _probe_routes(app, context)
 
     @app.get("/v1/node", tags=["agent"], response_model=NodeStatus)

@@ -44,7 +44,7 @@ class InvalidReportError(HealthError, ValueError):
     http_status = 400
 
 
-class HealthAuthError(HealthError, common_errors.AuthError):
+class AuthError(HealthError, common_errors.AuthError):
     """No valid bearer token (gRPC UNAUTHENTICATED, HTTP 401)."""
 
 
@@ -84,7 +84,7 @@ ERROR_WIRE = common_errors.ErrorWire(
     (
         HealthError,
         InvalidReportError,
-        HealthAuthError,
+        AuthError,
         HealthUnavailableError,
         HealthTimeoutError,
         NotFoundError,

@@ -29,11 +29,11 @@ from fthsdp.services.checkpoint.client import (
     wait_durable,
 )
 from fthsdp.services.checkpoint.client_errors import (
+    AuthError,
     ConflictError,
     GoneError,
     InvalidArgumentError,
     NotFoundError,
-    UnauthorizedError,
 )
 from fthsdp.services.checkpoint.server import CheckpointServer
 from tests.integration.test_checkpoint_support import (
@@ -214,7 +214,7 @@ def test_auth_is_required_on_the_api_only(sidecars: Start, token: str) -> None:
         assert http.get("/livez").status_code == 200
         assert http.get("/readyz").json() == {"status": "ready"}
         assert "/v1/checkpoints" in http.get("/openapi.json").json()["paths"]
-    with pytest.raises(UnauthorizedError):
+    with pytest.raises(AuthError):
         list_snapshots(server.url, "z" * 20, job=JOB, replica="r0", rank=0)
 
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.services.health.client import TelemetryClient
 from fthsdp.services.health.client_http import HealthClient
-from fthsdp.services.health.client_types import HealthAuthError, InvalidReportError
+from fthsdp.services.health.client_types import AuthError, InvalidReportError
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
 from tests.integration.conftest import QuorumServerFactory, eventually
@@ -59,7 +59,7 @@ async def test_every_api_needs_the_token_except_probes_and_the_page(
         ).is_success
         for path in ("/livez", "/readyz", "/dashboard", "/static/dashboard.js"):
             assert (await http.get(path)).status_code == 200, path
-    with HealthClient(central.http_url or "", "x" * 20) as intruder, pytest.raises(HealthAuthError):
+    with HealthClient(central.http_url or "", "x" * 20) as intruder, pytest.raises(AuthError):
         await asyncio.to_thread(intruder.replicas)
 
 

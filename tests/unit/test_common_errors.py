@@ -6,11 +6,16 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from fthsdp.services.checkpoint import client_errors as checkpoint
 from fthsdp.services.common import errors
 from fthsdp.services.health import client_types as health
 from fthsdp.services.quorum import client_types as quorum
 
-WIRES = {"quorum": quorum.ERROR_WIRE, "health": health.ERROR_WIRE}
+WIRES = {
+    "quorum": quorum.ERROR_WIRE,
+    "health": health.ERROR_WIRE,
+    "checkpoint": checkpoint.ERROR_WIRE,
+}
 
 
 @pytest.mark.parametrize("service", sorted(WIRES))
@@ -24,7 +29,7 @@ def test_every_error_a_service_sends_comes_back_as_its_class(service: str) -> No
 
 
 def test_every_services_auth_error_is_the_common_one() -> None:
-    for cls in (quorum.AuthError, health.HealthAuthError):
+    for cls in (quorum.AuthError, health.AuthError, checkpoint.AuthError):
         assert issubclass(cls, errors.AuthError)
         assert (cls.code, cls.grpc_status, cls.http_status) == (
             "unauthorized",
