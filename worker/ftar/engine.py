@@ -25,6 +25,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -46,8 +47,26 @@ __all__ = [
     "sender_loop",
 ]
 
-Event = tuple[str, int, int, int, object]
-"""(kind, xid, column, step, payload) posted to the comm thread's event queue."""
+EventKind = Literal["chunk", "send_done", "send_failed", "recv_done", "wake"]
+
+
+class Event(NamedTuple):
+    """What a helper thread tells the comm thread (a tuple underneath: one per chunk)."""
+
+    kind: EventKind
+    xid: int
+    """The exchange it belongs to (-1: none, a wake-up)."""
+    column: int = 0
+    step: int = 0
+    payload: object = None
+    """`chunk`: the reduce slot the chunk landed in (-1: received in place); the others: the
+    latched FtarError, or None."""
+
+
+class EndOfExchange(NamedTuple):
+    """Sender queue item: exchange `xid` has queued its last chunk."""
+
+    xid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +149,11 @@ class SendJob:
     chunk_timeout: float
 
 
+SendItem = SendJob | EndOfExchange | list[memoryview] | None
+"""What the sender thread takes: an exchange's start, its end, one chunk's buffers, or None
+(stop)."""
+
+
 @dataclass(slots=True)
 class RecvJob:
     """One exchange for the receiver thread."""
@@ -164,9 +188,9 @@ def _io_error(exc: BaseException, what: str) -> FtarError:
 
 
 def sender_loop(
-    jobs: queue.SimpleQueue[object], events: queue.SimpleQueue[Event], counters: list[int]
+    jobs: queue.SimpleQueue[SendItem], events: queue.SimpleQueue[Event], counters: list[int]
 ) -> None:
-    """Sender thread: runs SendJob / (xid, bufs) / ("end", xid) items until ``None``."""
+    """Sender thread: runs SendJob / chunk buffers / EndOfExchange items until ``None``."""
     job: SendJob | None = None
     failed: FtarError | None = None
     while (item := jobs.get()) is not None:
@@ -176,9 +200,9 @@ def sender_loop(
                 _start_sending(item)
             except BaseException as exc:  # latched, reported to the comm thread
                 failed = _io_error(exc, "sending the exchange header")
-                events.put(("send_failed", item.xid, 0, 0, failed))
-        elif isinstance(item, tuple) and item[0] == "end":
-            events.put(("send_done", item[1], 0, 0, failed))
+                events.put(Event("send_failed", item.xid, payload=failed))
+        elif isinstance(item, EndOfExchange):
+            events.put(Event("send_done", item.xid, payload=failed))
             job = None
         elif job is not None and failed is None:
             assert isinstance(item, list)
@@ -186,7 +210,7 @@ def sender_loop(
                 counters[0] += wire.sendmsg_all(job.sock, item)
             except BaseException as exc:
                 failed = _io_error(exc, "sending a chunk")
-                events.put(("send_failed", job.xid, 0, 0, failed))
+                events.put(Event("send_failed", job.xid, payload=failed))
 
 
 def _start_sending(job: SendJob) -> None:
@@ -214,7 +238,7 @@ def receiver_loop(
             _receive(job, events, counters)
         except BaseException as exc:  # latched, reported to the comm thread
             error = _io_error(exc, "receiving")
-        events.put(("recv_done", job.xid, 0, 0, error))
+        events.put(Event("recv_done", job.xid, payload=error))
 
 
 def _receive(job: RecvJob, events: queue.SimpleQueue[Event], counters: list[int]) -> None:
@@ -244,7 +268,7 @@ def _receive(job: RecvJob, events: queue.SimpleQueue[Event], counters: list[int]
             for dest in job.flat.views(lo, hi):
                 wire.recv_exact(sock, dest)
         counters[0] += tag.nbytes + wire.CHUNK_SIZE
-        events.put(("chunk", job.xid, tag.column, tag.step, slot))
+        events.put(Event("chunk", job.xid, tag.column, tag.step, slot))
 
 
 def _check_tag(job: RecvJob, tag: wire.ChunkHeader, seen: bytearray) -> tuple[int, int]:
@@ -273,7 +297,7 @@ class Pipeline:
         seq: int,
         slots: list[torch.Tensor],
         free_slots: queue.SimpleQueue[int | None],
-        send_q: queue.SimpleQueue[object],
+        send_q: queue.SimpleQueue[SendItem],
         num_contributors: int,
         window: int,
     ) -> None:

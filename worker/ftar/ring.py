@@ -42,11 +42,13 @@ import torch
 from fthsdp.worker.ftar import auth, conn, wire
 from fthsdp.worker.ftar.config import FtarConfig
 from fthsdp.worker.ftar.engine import (
+    EndOfExchange,
     Event,
     FlatBuffer,
     Pipeline,
     RecvJob,
     RingPlan,
+    SendItem,
     SendJob,
     receiver_loop,
     sender_loop,
@@ -194,7 +196,7 @@ class FtarRing:
         self._slot_views: list[memoryview] = []
         self._work_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._send_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._send_q: queue.SimpleQueue[SendItem] = queue.SimpleQueue()
         self._recv_q: queue.SimpleQueue[RecvJob | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._accept_loop, name=f"ftar-accept-{self.address}"),
@@ -346,7 +348,7 @@ class FtarRing:
             if self._connecting is not None:
                 conn.shutdown_quietly(self._connecting)
             self._cv.notify_all()
-        self._events.put(("wake", -1, 0, 0, None))
+        self._events.put(Event("wake", -1))
         log.info("ftar ring aborted: %s", reason, extra=self._ctx())
 
     def close(self) -> None:
@@ -365,7 +367,7 @@ class FtarRing:
             self._parked.clear()
             self._cv.notify_all()
         conn.shutdown_quietly(self._listener)
-        self._events.put(("wake", -1, 0, 0, None))
+        self._events.put(Event("wake", -1))
         self._work_q.put(None)
         # Every thread, the sender and receiver too (the comm loop's exit stops them): none of
         # them may still be running when the process exits.
@@ -833,7 +835,7 @@ class FtarRing:
             pipe.start()
             while not all(done.values()):
                 if pipe.pending == 0 and not pipe.ended:
-                    self._send_q.put(("end", xid))
+                    self._send_q.put(EndOfExchange(xid))
                     pipe.ended = True
                 kind, exid, column, step, payload = self._next_event(deadline, item.gen)
                 if exid != xid:
@@ -872,7 +874,7 @@ class FtarRing:
         with self._lock:
             self._bury_conns()
         if not pipe.ended:
-            self._send_q.put(("end", xid))
+            self._send_q.put(EndOfExchange(xid))
         free.put(None)
         grace = time.monotonic() + max(_HELPER_GRACE_S, self.config.chunk_timeout.total_seconds())
         while not all(done.values()):
