@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import multiprocessing as mp
 import secrets
 import sys
@@ -39,6 +38,7 @@ import grpc
 
 from fthsdp.bench.quorum_failover import run_failover
 from fthsdp.deploy.local_redis import LocalRedis
+from fthsdp.services.common import logs
 from fthsdp.services.quorum.client import (
     CHANNEL_OPTIONS,
     AsyncQuorumClient,
@@ -57,7 +57,7 @@ LEADERS_PER_CHANNEL = 64
 def _serve(conn: Connection, token: str, redis_url: str | None) -> None:
     """Service process: reports its address once it leads, runs until told to stop, returns
     round timings."""
-    logging.basicConfig(level=logging.ERROR)  # evictions are expected here; keep the table clean
+    logs.configure("ERROR")  # evictions are expected here; keep the table clean
 
     async def main() -> None:
         config = QuorumConfig(

@@ -68,6 +68,7 @@ from typing import Any
 from fthsdp.bench.ddp_baseline import run_ddp
 from fthsdp.deploy.demo.report import CommitEvent, RestartEvent, RunLog
 from fthsdp.deploy.demo.run import DemoConfig, run_demo
+from fthsdp.services.common import logs
 
 log = logging.getLogger("fthsdp.bench.recovery")
 
@@ -706,7 +707,7 @@ def render_overhead(result: dict[str, Any]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logs.configure("WARNING")
     base_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="fthsdp-bench-recovery-"))
     # A run directory is appended to and resumed from, so every invocation gets a fresh one.
     root = base_dir / datetime.now().strftime("recovery-%Y%m%d-%H%M%S")

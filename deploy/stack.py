@@ -16,7 +16,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -67,7 +67,14 @@ class Sidecar:
     """One checkpoint sidecar process."""
 
     def __init__(
-        self, *, name: str, run_dir: Path, token_file: Path, shm_dir: Path, durable_dir: Path
+        self,
+        *,
+        name: str,
+        run_dir: Path,
+        token_file: Path,
+        shm_dir: Path,
+        durable_dir: Path,
+        log_flags: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -79,6 +86,7 @@ class Sidecar:
             "--shm-dir", str(shm_dir),
             "--durable-dir", str(durable_dir),
             "--token-file", str(token_file),
+            *log_flags,
         ]  # fmt: skip
         self.process = ManagedProcess(
             ServiceSpec(
@@ -119,8 +127,11 @@ class LocalStack:
         health: bool = True,
         failure_action: str = "kill",
         hang_timeout: timedelta | None = None,
+        log_flags: Sequence[str] = (),
     ) -> None:
         self._run_dir = run_dir
+        self._log_flags = tuple(log_flags)
+        """`--log-format` / `--log-level` given to every service process."""
         self._token_file = token_file
         self._token = load_token(path=str(token_file))
         self._quorum_config = QuorumConfig(
@@ -154,6 +165,7 @@ class LocalStack:
                 token_file=token_file,
                 shm_dir=shm / host,
                 durable_dir=checkpoint_dir,
+                log_flags=log_flags,
             )
             for host in hosts
         }
@@ -217,6 +229,7 @@ class LocalStack:
                 "--min-replicas", str(config.min_replicas),
                 "--heartbeat-timeout-ms", str(_ms(config.heartbeat_timeout)),
                 "--join-timeout-ms", str(_ms(config.join_timeout)),
+                *self._log_flags,
             ]  # fmt: skip
             spec = ServiceSpec(
                 name=name,
@@ -318,6 +331,7 @@ class LocalStack:
             "--quorum", self.quorum_address,
             "--token-file", str(self._token_file),
             *self._health_flags,
+            *self._log_flags,
             *extra,
         ]  # fmt: skip
         return ServiceSpec(

@@ -60,6 +60,7 @@ from fthsdp.deploy.processes import (
     Supervisor,
     free_port,
 )
+from fthsdp.services.common import logs
 from fthsdp.services.common.tokens import load_token
 
 ENV_FILE_NAME = "fthsdp.env"
@@ -126,6 +127,8 @@ class UpConfig:
     """Failures in a row after which a crash-looping service stops the stack; 0: never restart."""
     log_level: str | None = None
     """Passed to every service as --log-level when set."""
+    log_format: str | None = None
+    """Passed to every service as --log-format when set (text or json)."""
     python: str = sys.executable
     """The interpreter that runs the services."""
 
@@ -295,6 +298,7 @@ def _quorum_specs(
             ("--heartbeat-timeout-ms", config.heartbeat_timeout_ms),
             ("--join-timeout-ms", config.join_timeout_ms),
             ("--log-level", config.log_level),
+            ("--log-format", config.log_format),
         ):
             if value is not None:
                 argv += [flag, str(value)]
@@ -336,6 +340,8 @@ def _checkpoint_spec(
     ]  # fmt: skip
     if config.log_level is not None:
         argv += ["--log-level", config.log_level.lower()]
+    if config.log_format is not None:
+        argv += ["--log-format", config.log_format]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
     base = f"http://{_local(config.host)}:{port}"
@@ -369,6 +375,8 @@ def _health_spec(
     ]  # fmt: skip
     if config.log_level is not None:
         argv += ["--log-level", config.log_level]
+    if config.log_format is not None:
+        argv += ["--log-format", config.log_format]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
     base = f"http://{_local(config.host)}:{ports['health_http_port']}"
@@ -828,6 +836,11 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "restarts (default 10)",
     )  # fmt: skip
     p.add_argument("--log-level", help="passed to every service (e.g. INFO, DEBUG)")
+    p.add_argument(
+        "--log-format", choices=logs.FORMATS,
+        help="passed to every service, and used by this launcher: text or json (default text) "
+        "[env FTHSDP_LOG_FORMAT]",
+    )  # fmt: skip
 
 
 def run_up_command(args: argparse.Namespace) -> int:
@@ -858,6 +871,7 @@ def run_up_command(args: argparse.Namespace) -> int:
         stop_grace=timedelta(seconds=args.stop_grace_s),
         max_restarts=args.max_restarts,
         log_level=args.log_level,
+        log_format=args.log_format,
     )
     try:
         return run_up(config)

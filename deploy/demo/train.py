@@ -22,6 +22,7 @@ import torch
 from fthsdp.deploy.demo.corpus import CharDataset, CharWindows
 from fthsdp.deploy.demo.eventlog import EventLog
 from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
+from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.common.private_dir import default_shm_dir
 from fthsdp.services.common.tokens import load_token
 from fthsdp.worker.config import ManagerConfig
@@ -118,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--log-file", type=Path, help="append stdout and stderr here (a spare that takes over)"
     )
+    add_logging_flags(p)
     args = p.parse_args(argv)
     missing = [
         flag
@@ -193,9 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         if taken is None:
             return 0
         args = taken
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {args.replica_id}/{args.rank} %(message)s"
-    )
+    # Every line names the rank it came from: the replica's ranks share one log file.
+    setup_logging(args, os.environ, fields={"replica_id": args.replica_id, "rank": args.rank})
     torch.manual_seed(args.seed)
     token = load_token(path=args.token_file).value
     group = ReplicaGroup.init(

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -30,6 +31,7 @@ from fthsdp.deploy.demo.report import (
     InjectEvent,
     JsonlTail,
     QuorumEvent,
+    RestartEvent,
     RunEvent,
     SparesEvent,
     StartEvent,
@@ -54,6 +56,8 @@ class _ReplicaState:
     last_final: float | None = None
     last_commit: CommitEvent | None = None
     loss: float | None = None
+    restarts: int = 0
+    """Times the launcher started the replica again."""
     recent: deque[CommitEvent] = field(default_factory=lambda: deque(maxlen=_RATE_WINDOW))
 
     @property
@@ -142,6 +146,8 @@ class LiveView:
                 state.loss = event.loss
         elif isinstance(event, FinalEvent):
             state.last_final, state.step = event.t, event.step
+        elif isinstance(event, RestartEvent):
+            state.restarts += 1
 
     def status_line(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
@@ -185,6 +191,36 @@ class LiveView:
             for r, s in self._states.items()
         ]
         return " | ".join([*parts, self.status_line(now)])
+
+    def progress_lines(self) -> list[str]:
+        """One `key=value` line per replica (`fthsdp demo --no-live`): step, loss, state and
+        restarts so far, the figures of the live view's table."""
+        self.poll()
+        return [progress_line(r, s) for r, s in self._states.items()]
+
+
+def progress_line(replica: str, state: _ReplicaState) -> str:
+    """`progress replica=r0 step=12 loss=2.345 state=healthy restarts=1` (`-`: not known yet)."""
+    step = "-" if state.step is None else str(state.step)
+    loss = "-" if state.loss is None else f"{state.loss:.3f}"
+    return (
+        f"progress replica={replica} step={step} loss={loss} state={state.state} "
+        f"restarts={state.restarts}"
+    )
+
+
+def run_progress(
+    view: LiveView, stop_event: threading.Event, every_s: float = 10.0, *, out: TextIO | None = None
+) -> None:
+    """Prints `view.progress_lines()` every `every_s` until `stop_event` is set: the view's data
+    as plain lines, for runs whose output goes to a file or a CI log (`--no-live`)."""
+    if every_s <= 0:
+        raise ValueError("every_s must be positive")
+    while True:
+        lines = view.progress_lines()
+        print("\n".join(lines), file=out or sys.stdout, flush=True)
+        if stop_event.wait(every_s):
+            return
 
 
 def run_live(

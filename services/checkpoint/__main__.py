@@ -6,7 +6,6 @@ Precedence: flag > FTHSDP_CHECKPOINT_<FLAG> env > default. Prints `listening on 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 
 from fthsdp.services.checkpoint.config import CheckpointConfig
 from fthsdp.services.checkpoint.server import CheckpointServer
+from fthsdp.services.common import logs
 from fthsdp.services.common.tokens import load_token
 
 ENV_PREFIX = "FTHSDP_CHECKPOINT_"
@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fthsdp-checkpoint", description=__doc__)
     for flag, _, kind, _, text in _FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=None,
+        help="text: time, level, logger, message, then key=value context; json: one object "
+        "per line (default text) [env FTHSDP_LOG_FORMAT]",
+    )
     parser.add_argument("--token-file", default=None, help="file holding the bearer token")
     parser.add_argument(
         "--nice",
@@ -114,11 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from(args, env)
         token = load_token(path=args.token_file, env=env)
+        fmt = args.log_format or env.get("FTHSDP_LOG_FORMAT") or "text"
+        if fmt not in logs.FORMATS:
+            raise ValueError(f"FTHSDP_LOG_FORMAT: must be one of {', '.join(logs.FORMATS)}")
     except (ValueError, OSError) as exc:
         print(f"fthsdp-checkpoint: {exc}", file=sys.stderr)
         return 2
-    level = "INFO" if config.log_level in ("info", "debug", "trace") else config.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = "INFO" if config.log_level in ("info", "debug", "trace") else config.log_level
+    logs.configure(level, fmt)
     nice = args.nice if args.nice is not None else int(env.get(ENV_PREFIX + "NICE", "10"))
     if nice:
         os.nice(nice)

@@ -88,6 +88,9 @@ class CheckpointServer:
             uv_config = uvicorn.Config(
                 self.app,
                 log_level=self.config.log_level,
+                # uvicorn's lines go through the process's one handler (services.common.logs)
+                # instead of uvicorn's own, so a JSON log stays JSON.
+                log_config=None,
                 access_log=False,
                 lifespan="off",
                 # httptools (C parser: ~10% more fetch bandwidth than h11 here), with bounds on

@@ -14,8 +14,10 @@ log = logging.getLogger(__name__)
 _FORCED_EXIT_CODE = 130
 
 
-async def wait_for_shutdown_signal() -> None:
-    """Returns at the first SIGTERM or SIGINT (the caller then drains)."""
+def shutdown_signal() -> asyncio.Event:
+    """An event set at the first SIGTERM or SIGINT (the caller then drains). Its handlers are
+    installed at once, on the running loop: call it before starting to serve, so a signal that
+    arrives while the service starts is a drain too, not the default action's abrupt death."""
     stop = asyncio.Event()
     interrupts = 0
     loop = asyncio.get_running_loop()
@@ -32,4 +34,4 @@ async def wait_for_shutdown_signal() -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await stop.wait()
+    return stop

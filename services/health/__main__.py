@@ -24,7 +24,7 @@ from fthsdp.services.common.cli import (
     flag_or_env,
     setup_logging,
 )
-from fthsdp.services.common.signals import wait_for_shutdown_signal
+from fthsdp.services.common.signals import shutdown_signal
 from fthsdp.services.common.tokens import Token, load_token
 from fthsdp.services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
 from fthsdp.services.health.detectors.config import DetectorConfig
@@ -144,10 +144,11 @@ async def serve(
 ) -> None:
     """Runs until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
     node = HealthNode(config, token, detectors=detectors)
+    stop = shutdown_signal()
     await node.start()
     print(_banner(node), file=out or sys.stdout, flush=True)
     try:
-        await wait_for_shutdown_signal()
+        await stop.wait()
     finally:
         await node.stop()
 
@@ -164,8 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console script `fthsdp-health`."""
     args = build_parser().parse_args(argv)
     env = os.environ
-    setup_logging(args, env)
     try:
+        setup_logging(args, env)
         config = resolve_config(args, env)
         detectors = resolve_detectors(args, env)
         token = load_token(path=args.token_file, env=dict(env))

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fthsdp.services.common.cli import Flag, add_flags, config_values, setup_logging
-from fthsdp.services.common.signals import wait_for_shutdown_signal
+from fthsdp.services.common.signals import shutdown_signal
 from fthsdp.services.common.tokens import Token, load_token
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.server import SERVICE_NAME, QuorumServer
@@ -73,10 +73,11 @@ async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
     if config.redis_url is None:
         store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
     server = QuorumServer(config, token, store=store)
+    stop = shutdown_signal()
     await server.start()
     print(_banner(server), file=out or sys.stdout, flush=True)
     try:
-        await wait_for_shutdown_signal()
+        await stop.wait()
     finally:
         await server.stop()
 
@@ -96,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console script `fthsdp-quorum`."""
     args = build_parser().parse_args(argv)
     env = os.environ
-    setup_logging(args, env)
     try:
+        setup_logging(args, env)
         config = resolve_config(args, env)
         token = load_token(path=args.token_file, env=dict(env))
     except (ValueError, OSError) as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fthsdp.deploy.demo.view import LiveView, run_live
+from fthsdp.deploy.demo.view import LiveView, run_live, run_progress
 from tests.unit.test_demo_report import T0, SyntheticRun
 
 
@@ -99,3 +99,38 @@ def test_run_live_draws_on_a_terminal(tmp_path: Path) -> None:
     run_live(LiveView(run_dir, ["r0"]), stop, refresh_s=0.05, console=console)
     timer.join()
     assert "healthy" in out.getvalue()
+
+
+def test_progress_lines_give_each_replica_step_loss_state_and_restarts(tmp_path: Path) -> None:
+    run = SyntheticRun(tmp_path)
+    view = LiveView(run.write_until(T0 + 8.6), ["r0", "r1", "r2"])
+    assert view.progress_lines() == [
+        "progress replica=r0 step=7 loss=2.400 state=healthy restarts=0",
+        # Restarted once at T0 + 6.9, and its new incarnation has no loss of its own yet.
+        "progress replica=r1 step=7 loss=- state=recovering restarts=1",
+        "progress replica=r2 step=7 loss=2.400 state=healthy restarts=0",
+    ]
+    run.write_until()
+    assert view.progress_lines()[1] == (
+        "progress replica=r1 step=10 loss=2.100 state=finished restarts=1"
+    )
+
+
+def test_run_progress_prints_one_line_per_replica_each_period(tmp_path: Path) -> None:
+    run_dir = SyntheticRun(tmp_path).write_until()
+    stop = threading.Event()
+
+    class Out(io.StringIO):
+        """Stops the printer once it has printed twice (no timing involved)."""
+
+        def flush(self) -> None:
+            if self.getvalue().count("replica=r1") == 2:
+                stop.set()
+
+    out = Out()
+    run_progress(LiveView(run_dir, ["r0", "r1"]), stop, 0.01, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines == 2 * [
+        "progress replica=r0 step=10 loss=2.100 state=finished restarts=0",
+        "progress replica=r1 step=10 loss=2.100 state=finished restarts=1",
+    ]
