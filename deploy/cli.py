@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import logging
 import os
 import sys
 from datetime import timedelta
@@ -14,6 +13,7 @@ from pathlib import Path
 from fthsdp.deploy import status_cmd
 from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
 from fthsdp.deploy.up import add_up_parser, run_up_command
+from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.health.config import FAILURE_ACTIONS
 
 
@@ -48,7 +48,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--kill-mode", choices=KILL_MODES, default="process",
         help="process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one "
-        "rank; quorum: restart the quorum service, or SIGKILL its leader with --redis; store: "
+        "rank; slow: throttle a whole replica for 12 s (SIGSTOP/SIGCONT 60%% of every 50 ms); "
+        "quorum: restart the quorum service, or SIGKILL its leader with --redis; store: "
         "SIGKILL the redis-server (with --redis) for --store-down seconds; store-replica: "
         "that, and a whole replica 2 s later (default process)",
     )  # fmt: skip
@@ -76,7 +77,15 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--join-timeout-ms", type=int, default=2000,
         help="longest a quorum waits for a live replica that has not asked (default 2000)",
     )  # fmt: skip
-    p.add_argument("--no-live", action="store_true", help="plain log lines instead of the view")
+    p.add_argument(
+        "--no-live", action="store_true",
+        help="no live view: a progress line per replica (step, loss, state, restarts) every "
+        "--progress-every seconds",
+    )  # fmt: skip
+    p.add_argument(
+        "--progress-every", type=_positive_seconds, default=timedelta(seconds=10),
+        help="--no-live: seconds between progress lines (default 10)",
+    )  # fmt: skip
     p.add_argument(
         "--fsdp", action="store_true",
         help="shard each replica over its ranks with FSDP2 (HSDP) instead of replicating it",
@@ -116,7 +125,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--faults", default="",
         help="planned rank faults replica:rank:step:point[,...], point in "
-        "exchange|fetch|serve|commit (the rank dies) or hang (it stops making progress); "
+        "exchange|fetch|serve|commit (the rank dies), hang (it stops making progress) or "
+        "slow[:seconds] (it is 80 ms late to every exchange, for 10 s by default); "
         "each fires once",
     )  # fmt: skip
     p.add_argument(
@@ -139,6 +149,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="--kill-mode store: seconds the killed redis-server stays down before it is "
         "restarted (default 10)",
     )  # fmt: skip
+    # The launcher's own logging; the demo passes both on to every process it starts.
+    add_logging_flags(p, level_default="WARNING")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -157,6 +169,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         heartbeat_timeout=timedelta(milliseconds=args.heartbeat_timeout_ms),
         join_timeout=timedelta(milliseconds=args.join_timeout_ms),
         live=not args.no_live,
+        progress_every=args.progress_every,
+        # Without the flag the processes read the FTHSDP_LOG_FORMAT they inherit, as this one did.
+        log_format=args.log_format,
+        log_level=args.log_level,
         checkpoint_dir=args.checkpoint_dir,
         faults=args.faults,
         min_replicas=args.min_replicas,
@@ -205,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # a first look: what there is to run
         parser.print_help()
         return 0
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
+        setup_logging(args, os.environ, level_default="WARNING")
         if args.command == "up":
             return run_up_command(args)
         if args.command == "status":

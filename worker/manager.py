@@ -389,6 +389,9 @@ class Manager:
         elif plan.serve or self._durable_due(plan):
             self._peer_state.publish(self.step, self._state.tensors(), self._meta())
             self._faults.hit("serve", self.step)
+        # Before t0: a straggler's lateness is its own time, not waiting on others (the
+        # fail-slow detector subtracts the exchange phase as waiting).
+        self._faults.slow(self.step)
         t0 = time.monotonic()
         timeout = self._exchange_timeout(plan)
         error: BaseException | None

@@ -22,6 +22,7 @@ from fthsdp.deploy.demo.eventlog import EventLog
 from fthsdp.deploy.demo.report import CommitEvent, JsonlTail
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
 from fthsdp.deploy.stack import LocalStack
+from fthsdp.services.common import logs
 from fthsdp.services.health.client_http import HealthClient
 from fthsdp.services.health.config import FAILURE_ACTIONS
 from fthsdp.services.quorum.client import QuorumClient, QuorumUnavailableError
@@ -48,7 +49,7 @@ class DemoConfig:
     """Period of injected failures; None injects none."""
     kill_mode: str = "process"
     """process: SIGKILL one rank; replica: SIGKILL every rank of a replica; hang: SIGSTOP one
-    rank."""
+    rank; slow: throttle every rank of a replica for a while (see `supervisor.KILL_MODES`)."""
     seed: int = 0
     """Seeds the failure schedule's choices and the model's initialisation."""
     run_dir: Path = Path("runs/demo")
@@ -76,7 +77,15 @@ class DemoConfig:
     settle_timeout: timedelta = timedelta(seconds=90)
     """End phase: how long to wait for every replica to be healthy before stopping."""
     live: bool = True
-    """Show the live terminal view."""
+    """Show the live terminal view; without it, `progress` lines per replica every
+    `progress_every`."""
+    progress_every: timedelta = timedelta(seconds=10)
+    """Without the live view: how often each replica's progress line is printed."""
+    log_format: str | None = None
+    """`--log-format` of every service and rank process (None: each one's default, or the
+    FTHSDP_LOG_FORMAT they inherit)."""
+    log_level: str | None = None
+    """`--log-level` of every service and rank process (None: each one's default)."""
     checkpoint_dir: Path | None = None
     """Durable checkpoints and data positions (default `run_dir/checkpoints`); point a second
     run at the first one's to resume it (a full restart)."""
@@ -128,6 +137,23 @@ class DemoConfig:
             raise ValueError(f"on_failure must be one of {FAILURE_ACTIONS}")
         if self.hang_timeout <= timedelta(0):
             raise ValueError("hang_timeout must be positive")
+        if self.progress_every <= timedelta(0):
+            raise ValueError("progress_every must be positive")
+        if self.log_format is not None and self.log_format not in logs.FORMATS:
+            raise ValueError(f"log_format must be one of {logs.FORMATS}")
+        if self.log_level is not None:
+            logs.parse_level(self.log_level)
+
+    @property
+    def log_flags(self) -> tuple[str, ...]:
+        """The logging flags every process the demo starts is given."""
+        flags: tuple[str, ...] = ()
+        if self.log_format is not None:
+            flags += ("--log-format", self.log_format)
+        if self.log_level is not None:
+            # Lower case: the checkpoint sidecar takes uvicorn's level names.
+            flags += ("--log-level", self.log_level.lower())
+        return flags
 
     @property
     def quorum_floor(self) -> int:
@@ -195,7 +221,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Runs the demo and returns the report (also written to `run_dir/report.json`)."""
     from fthsdp.deploy.demo.plot import write_plot
     from fthsdp.deploy.demo.report import build_report
-    from fthsdp.deploy.demo.view import LiveView, run_live
+    from fthsdp.deploy.demo.view import LiveView, run_live, run_progress
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,6 +245,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         health=config.health,
         failure_action=config.on_failure,
         hang_timeout=config.hang_timeout,
+        log_flags=config.log_flags,
     ) as stack:
         if stack.health_url:
             # The token stays in its file: printing it would put it in terminal scrollback.
@@ -243,6 +270,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 *(("--fsdp",) if config.fsdp else ()),
                 *(("--overlap-backward",) if config.overlap_backward else ()),
                 "--loader-workers", str(config.loader_workers),
+                *config.log_flags,
             ),
         )  # fmt: skip
         supervisor = Supervisor(
@@ -269,11 +297,14 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         )
         watcher.start()
         live_view = LiveView(run_dir, [r.replica_id for r in supervisor.replicas])
+        every_s = config.progress_every.total_seconds()
         viewer = threading.Thread(
-            target=run_live, args=(live_view, stop), name="demo-view", daemon=True
+            target=run_live if config.live else run_progress,
+            args=(live_view, stop) if config.live else (live_view, stop, every_s),
+            name="demo-view",
+            daemon=True,
         )
-        if config.live:
-            viewer.start()
+        viewer.start()
         incidents: list[dict[str, Any]] = []
         try:
             supervisor.start_all()

@@ -6,12 +6,14 @@ stop waiting for it, and starts the replica again as a new incarnation."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,11 +29,82 @@ RESTART_POLICIES = ("replica", "job")
 """replica: only the failed replica restarts (FT-HSDP); job: every replica restarts from the last
 durable checkpoint on any failure (the synchronous-training baseline)."""
 
-KILL_MODES = ("process", "replica", "hang", "quorum", "store", "store-replica")
+KILL_MODES = ("process", "replica", "hang", "slow", "quorum", "store", "store-replica")
 """process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one rank (a hung
-GPU or NCCL call as the host sees it); quorum: restart the (in-memory) quorum service; store:
-SIGKILL the redis-server (with Redis), which stays down for a while and then comes back;
-store-replica: that, and a whole replica SIGKILLed while the store is down."""
+GPU or NCCL call as the host sees it); slow: throttle every rank of a replica for
+`SLOW_PERIOD_S` (a fail-slow machine: see `Throttle`), then let it run normally; quorum: restart
+the (in-memory) quorum service; store: SIGKILL the redis-server (with Redis), which stays down
+for a while and then comes back; store-replica: that, and a whole replica SIGKILLed while the
+store is down."""
+
+SLOW_PERIOD_S = 12.0
+"""How long `slow` throttles a replica: past the fail-slow detector's 5 s settle after a
+membership change plus its >= 5 steps spanning >= 2 s, with room for a loaded host."""
+SLOW_CYCLE_S = 0.05
+"""One stop/continue cycle of the throttle."""
+SLOW_STOPPED_FRACTION = 0.6
+"""The share of each cycle the throttled processes are stopped: the replica runs ~2.5x slower.
+A stop lasts 30 ms, far below the 200 ms heartbeat period and the 700 ms fail-stop timeout, so
+no beat lapses: the replica is slow, never dead."""
+
+
+class Throttle:
+    """Duty-cycles SIGSTOP/SIGCONT over a replica's processes from a thread, for a period.
+
+    No cgroups: the processes get stopped for `stopped_fraction` of every `cycle_s`. Every stop
+    is followed by a SIGCONT: at each cycle, when the period ends, and on `stop` (a teardown of
+    the replica, the demo's shutdown), which joins the thread and continues them once more. A
+    process that ended meanwhile is skipped (a signal to a reaped process is a no-op). Only a
+    launcher that is itself SIGKILLed mid-stop leaves its ranks stopped (`kill -CONT` them)."""
+
+    def __init__(
+        self,
+        procs: list[subprocess.Popen[bytes]],
+        *,
+        period_s: float = SLOW_PERIOD_S,
+        cycle_s: float = SLOW_CYCLE_S,
+        stopped_fraction: float = SLOW_STOPPED_FRACTION,
+    ) -> None:
+        if not (period_s > 0 and cycle_s > 0 and 0 < stopped_fraction < 1):
+            raise ValueError("period_s and cycle_s must be positive, stopped_fraction in (0, 1)")
+        self._procs = list(procs)
+        self._period_s = period_s
+        self._stopped_s = cycle_s * stopped_fraction
+        self._running_s = cycle_s - self._stopped_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="demo-throttle", daemon=True)
+
+    @property
+    def active(self) -> bool:
+        """Whether the period is still going."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the throttle now (idempotent); every process is continued when it returns."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._signal(signal.SIGCONT)
+
+    def _run(self) -> None:
+        end = time.monotonic() + self._period_s
+        try:
+            while time.monotonic() < end:
+                self._signal(signal.SIGSTOP)
+                stopped = self._done.wait(self._stopped_s)
+                self._signal(signal.SIGCONT)
+                if stopped or self._done.wait(self._running_s):
+                    return
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError):  # ended since the last look
+                proc.send_signal(signum)
 
 
 @dataclass(slots=True)
@@ -44,6 +117,8 @@ class Replica:
     restart_at: float | None = None
     """When a dead replica is started again (monotonic time); None while it runs."""
     hung: bool = False
+    throttle: Throttle | None = None
+    """The `slow` injection's throttle, while one is or was running on this incarnation."""
     starts: int = 0
     ended: set[int] = field(default_factory=set)
     """Ranks whose clean exit at the end was logged already (they wait for the others)."""
@@ -51,6 +126,16 @@ class Replica:
     @property
     def running(self) -> bool:
         return bool(self.procs)
+
+    @property
+    def throttled(self) -> bool:
+        return self.throttle is not None and self.throttle.active
+
+    def unthrottle(self) -> None:
+        """Ends a throttle (its processes continue); a no-op without one."""
+        if self.throttle is not None:
+            self.throttle.stop()
+            self.throttle = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,6 +291,7 @@ class Supervisor:
             self._take_down(victim, reason)
 
     def _take_down(self, replica: Replica, reason: str) -> None:
+        replica.unthrottle()
         for proc in replica.procs:
             if proc.poll() is None:
                 proc.kill()
@@ -243,11 +329,14 @@ class Supervisor:
                 self.start(replica)
 
     def breakable(self, eligible: set[str] | None = None) -> list[Replica]:
-        """Running replicas not hung already (among `eligible` ids, if given)."""
+        """Running replicas not hung nor throttled already (among `eligible` ids, if given)."""
         return [
             r
             for r in self.replicas
-            if r.running and not r.hung and (eligible is None or r.replica_id in eligible)
+            if r.running
+            and not r.hung
+            and not r.throttled
+            and (eligible is None or r.replica_id in eligible)
         ]
 
     def inject(
@@ -272,6 +361,10 @@ class Supervisor:
             rank = rng.randrange(len(replica.procs))
             replica.procs[rank].send_signal(signal.SIGSTOP)
             replica.hung = True
+        elif mode == "slow":
+            replica.unthrottle()
+            replica.throttle = Throttle(replica.procs)
+            replica.throttle.start()
         else:
             raise ValueError(f"unknown kill mode {mode!r}; choose from {KILL_MODES}")
         self.events.write("inject", replica=replica.replica_id, mode=mode, rank=rank)
@@ -291,6 +384,8 @@ class Supervisor:
         """SIGTERM, then SIGKILL after `grace` seconds; spares go at once."""
         self.stopping = True
         self.spares.stop()
+        for replica in self.replicas:
+            replica.unthrottle()
         procs = [p for r in self.replicas for p in r.procs]
         for proc in procs:
             if proc.poll() is None:
