@@ -79,7 +79,7 @@ TARGET_STALL_EXTRA_S = 1.0
 TARGET_OVERHEAD = 1.02
 """DESIGN.md: control-plane overhead on a fault-free step ≤ 2% over plain DDP/gloo."""
 FAILURE_METRICS = ("detection_s", "survivor_stall_s", "time_to_healthy_s")
-PHASE_KEYS = ("quorum", "ring", "exchange", "fetch", "commit")
+PHASE_KEYS = ("quorum", "ring", "exchange", "fetch", "vote", "commit")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

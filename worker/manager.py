@@ -51,6 +51,11 @@ from fthsdp.worker.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
+WAITING_PHASES = ("quorum", "ring", "exchange", "fetch", "vote")
+"""The parts of a step spent waiting on others: the quorum, the peers connecting a new ring,
+the ring exchange, a catch-up fetch, and the replica's vote on the outcome (where a rank whose
+ring was done waits for its replica's ranks still in theirs, e.g. behind another replica's
+straggler)."""
 POSITIONS_META = "positions"
 STEP_META = "step"
 
@@ -321,7 +326,7 @@ class Manager:
         """Exchanges the gradient and votes until the replica agrees (see `should_commit`),
         then writes the averaged gradient into `.grad`."""
         began = time.monotonic()
-        seconds = {"quorum": 0.0, "ring": 0.0, "exchange": 0.0, "fetch": 0.0, "commit": 0.0}
+        seconds = {phase: 0.0 for phase in (*WAITING_PHASES, "commit")}
         overlap, self._overlap = self._overlap, None
         if overlap is None:
             self.start_step()
@@ -433,7 +438,11 @@ class Manager:
                 error,
                 extra=self._context(quorum_id=plan.quorum_id, error=str(error)),
             )
-        if not self._exchange.agree(ok):
+        t0 = time.monotonic()
+        agreed = self._exchange.agree(ok)
+        # A rank whose own ring finished first waits here for the replica's other ranks.
+        seconds["vote"] += time.monotonic() - t0
+        if not agreed:
             return None
         self._faults.hit("commit", self.step)
         t0 = time.monotonic()
@@ -561,10 +570,9 @@ class Manager:
             step,
             started_at=started,
             committed=True,
-            # Waiting on others (the quorum, the peers connecting a new ring, the ring, a
-            # catch-up fetch) is not this replica's own speed: the fail-slow detector
+            # Waiting on others is not this replica's own speed: the fail-slow detector
             # subtracts it.
-            exchange_s=sum(seconds[phase] for phase in ("quorum", "ring", "exchange", "fetch")),
+            exchange_s=sum(seconds[phase] for phase in WAITING_PHASES),
             tokens=tokens,
             sum_seq_len_sq=sum_seq_len_sq,
         )

@@ -169,3 +169,18 @@ def test_a_replica_rejoining_a_running_job_mutes_the_detector_until_it_settled()
             assert det.judgement("r0") == "recovering"
     assert found == []
     assert det.judgement("r0") == "judging"
+
+
+def test_a_slowdown_hovering_at_the_margin_is_one_incident() -> None:
+    # r0's own residual sits just under the margin while its peers run faster than predicted:
+    # its excess over them stays well beyond the margin, one continuing slowdown.
+    det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30))
+    rng = random.Random(0)
+    found = []
+    for n in range(300):
+        sq = int(16384 * 512 * rng.uniform(0.95, 1.05))
+        slow = n >= 70
+        det.add([_record(n, sq, 1.22 if slow else 1.0)])
+        det.add([_record(n, sq, 0.8 if slow else 1.0, replica=r) for r in ("r1", "r2")])
+        found += det.check(float(n))
+    assert [i.replica_id for i in found] == ["r0"]

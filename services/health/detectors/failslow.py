@@ -304,8 +304,12 @@ class FailSlowDetector:
         full = self._push(series, step, residual)
         level = median(series.residuals)
         if series.slow:
-            if full and level < cfg.fail_slow_margin:
-                series.slow = False  # recovered: a relapse is a new incident
+            # Recovered only well inside the margin, on the quantity that raised it (the excess
+            # over the peers): one that hovers at the margin is one incident, not one per
+            # crossing. A relapse after a recovery is a new incident.
+            excess = level - (self._peer_level(series) or 0.0)
+            if full and excess < cfg.fail_slow_margin / 2:
+                series.slow = False
             return
         # The classic CUSUM settings in units of the healthy noise (slack 0.5 sigma, threshold
         # 5 sigma), never below the configured ones: on a noisy machine a few slow steps are
