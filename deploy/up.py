@@ -20,16 +20,16 @@ second SIGINT kills what is left at once.
 `--redis` adds a local `redis-server` reached only through a unix socket in the run dir (mode
 0700, no TCP port), so no password has to travel on a command line, and runs two quorum
 instances on it (they elect a leader through a Redis lease; the other stands by); checkpoint and
-health get the same `--redis-url`.
+health use the same Redis.
 
 Security: the token lives in a file (generated, mode 0600, when none is given) and is never
-printed; services bind 127.0.0.1 unless `--host` says otherwise."""
+printed; a Redis URL (`--redis-url` may hold a password) reaches the services in their
+environment, never on a command line; services bind 127.0.0.1 unless `--host` says otherwise."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -38,13 +38,12 @@ import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -104,6 +103,8 @@ class UpConfig:
     """Use this existing Redis instead of starting one (leader + standby as with `redis`)."""
     redis_server: str = "redis-server"
     """The redis-server executable for `redis`."""
+    health: bool = True
+    """Run the health service (central); False: ranks send no telemetry (`--no-health`)."""
     lease_ttl_ms: int | None = None
     """Leader lease lifetime of the quorum instances (their default when None)."""
     min_replicas: int | None = None
@@ -165,14 +166,6 @@ class UpConfig:
         return self.redis or self.redis_url is not None
 
 
-def health_available() -> bool:
-    """Whether this checkout has the health service (`python -m fthsdp.services.health`)."""
-    try:
-        return importlib.util.find_spec("fthsdp.services.health.__main__") is not None
-    except ImportError:
-        return False
-
-
 def _wildcard(host: str) -> bool:
     return host in ("0.0.0.0", "::", "")
 
@@ -196,8 +189,6 @@ class Stack:
     """The env file's variables, in order."""
     summary: list[str]
     """Lines describing the stack (printed once it is ready)."""
-    skipped: list[str] = field(default_factory=list)
-    """What was not started and why."""
     cleanup: list[Path] = field(default_factory=list)
     """Directories removed when the stack stops."""
 
@@ -275,6 +266,12 @@ def _redis_spec(config: UpConfig, run_dir: Path) -> tuple[ServiceSpec, str, Path
     return spec, f"unix://{sock}", temporary
 
 
+def _redis_env(prefix: str, redis_url: str | None) -> dict[str, str]:
+    """A service's Redis URL in its environment, never on its command line (`ps` shows that to
+    every user), as it may hold a password."""
+    return {} if redis_url is None else {f"{prefix}REDIS_URL": redis_url}
+
+
 def _quorum_specs(
     config: UpConfig, run_dir: Path, token: Path, ports: dict[str, int], redis_url: str | None
 ) -> list[ServiceSpec]:
@@ -302,15 +299,14 @@ def _quorum_specs(
         ):
             if value is not None:
                 argv += [flag, str(value)]
-        if redis_url is not None:
-            argv += ["--redis-url", redis_url]
-            if config.lease_ttl_ms is not None:
-                argv += ["--lease-ttl-ms", str(config.lease_ttl_ms)]
+        if redis_url is not None and config.lease_ttl_ms is not None:
+            argv += ["--lease-ttl-ms", str(config.lease_ttl_ms)]
         base = f"http://{_local(config.host)}:{admin}"
         specs.append(
             ServiceSpec(
                 name=name,
                 argv=argv,
+                env=_redis_env("FTHSDP_QUORUM_", redis_url),
                 log_path=run_dir / "logs" / f"{name}.log",
                 live=_http_probe(f"{base}/livez"),
                 ready=_http_probe(f"{base}/readyz"),
@@ -342,12 +338,11 @@ def _checkpoint_spec(
         argv += ["--log-level", config.log_level.lower()]
     if config.log_format is not None:
         argv += ["--log-format", config.log_format]
-    if redis_url is not None:
-        argv += ["--redis-url", redis_url]
     base = f"http://{_local(config.host)}:{port}"
     return ServiceSpec(
         name="checkpoint",
         argv=argv,
+        env=_redis_env("FTHSDP_CHECKPOINT_", redis_url),
         log_path=run_dir / "logs" / "checkpoint.log",
         live=_http_probe(f"{base}/livez"),
         ready=_http_probe(f"{base}/readyz"),
@@ -377,12 +372,11 @@ def _health_spec(
         argv += ["--log-level", config.log_level]
     if config.log_format is not None:
         argv += ["--log-format", config.log_format]
-    if redis_url is not None:
-        argv += ["--redis-url", redis_url]
     base = f"http://{_local(config.host)}:{ports['health_http_port']}"
     return ServiceSpec(
         name="health",
         argv=argv,
+        env=_redis_env("FTHSDP_HEALTH_", redis_url),
         log_path=run_dir / "logs" / "health.log",
         live=_http_probe(f"{base}/livez"),
         ready=_http_probe(f"{base}/readyz"),
@@ -390,7 +384,7 @@ def _health_spec(
     )
 
 
-def _allocate(config: UpConfig, with_standby: bool, with_health: bool) -> dict[str, int]:
+def _allocate(config: UpConfig, with_standby: bool) -> dict[str, int]:
     wanted = {
         "quorum_port": config.quorum_port,
         "quorum_admin_port": config.quorum_admin_port,
@@ -399,7 +393,7 @@ def _allocate(config: UpConfig, with_standby: bool, with_health: bool) -> dict[s
     if with_standby:
         wanted["standby_port"] = config.standby_port
         wanted["standby_admin_port"] = config.standby_admin_port
-    if with_health:
+    if config.health:
         wanted["health_port"] = config.health_port
         wanted["health_http_port"] = config.health_http_port
     missing = [name for name, port in wanted.items() if port == 0]
@@ -416,28 +410,8 @@ def default_shm_dir(run_dir: Path) -> Path:
     return root / f"fthsdp-up-{digest}" if root.is_dir() else run_dir.resolve() / "shm"
 
 
-def plan_stack(
-    config: UpConfig,
-    token_file: Path,
-    *,
-    with_health: bool,
-    redis_modules: Collection[str] = (
-        "fthsdp.services.quorum",
-        "fthsdp.services.checkpoint",
-        "fthsdp.services.health",
-    ),
-) -> Stack:
-    """Every child `up` starts, with its ports resolved, and the env file's contents.
-
-    `redis_modules` are the services that accept `--redis-url`; the others run on their
-    embedded stores (and the plan says so), except the quorum service: a leader + standby whose
-    instances ignored Redis would be two leaders (split brain), so that is a ValueError."""
-    if config.replicated_quorum and "fthsdp.services.quorum" not in redis_modules:
-        raise ValueError(
-            "fthsdp.services.quorum does not accept --redis-url in this checkout: leader + standby "
-            "need it (run without --redis)"
-        )
-    skipped: list[str] = []
+def plan_stack(config: UpConfig, token_file: Path) -> Stack:
+    """Every child `up` starts, with its ports resolved, and the env file's contents."""
     run_dir = config.run_dir.resolve()
     advertise = config.advertise_host or (
         socket.gethostname() if _wildcard(config.host) else config.host
@@ -453,7 +427,7 @@ def plan_stack(
         summary.append(f"redis       {redis_url} (data in {run_dir / 'redis'})")
     elif redis_url is not None:
         summary.append("redis       an existing Redis (--redis-url)")
-    ports = _allocate(config, redis_url is not None, with_health)
+    ports = _allocate(config, redis_url is not None)
     quorum = _quorum_specs(config, run_dir, token_file, ports, redis_url)
     services += quorum
     quorum_list = ",".join(
@@ -475,7 +449,7 @@ def plan_stack(
         ports["checkpoint_port"],
         shm,
         durable,
-        _if_capable("fthsdp.services.checkpoint", redis_url, redis_modules, skipped),
+        redis_url,
     )
     services.append(checkpoint)
     summary.append(f"checkpoint  {checkpoint.addresses['http']}  (durable {durable})")
@@ -484,32 +458,14 @@ def plan_stack(
         "FTHSDP_CHECKPOINT_URL": f"http://{advertise}:{ports['checkpoint_port']}",
         "FTHSDP_SHM_DIR": str(shm),
     }
-    if with_health:
-        health = _health_spec(
-            config,
-            run_dir,
-            token_file,
-            ports,
-            quorum_list,
-            _if_capable("fthsdp.services.health", redis_url, redis_modules, skipped),
-        )
+    if config.health:
+        health = _health_spec(config, run_dir, token_file, ports, quorum_list, redis_url)
         services.append(health)
         env["FTHSDP_HEALTH"] = f"{advertise}:{ports['health_port']}"
         env["FTHSDP_HEALTH_URL"] = f"http://{advertise}:{ports['health_http_port']}"
         summary.append(f"health      {health.addresses['grpc']}  (http {health.addresses['http']})")
-    else:
-        skipped.append("health: services/health has no __main__ yet (not built); not started")
     env["FTHSDP_TOKEN_FILE"] = str(token_file)
-    return Stack(services=services, env=env, summary=summary, skipped=skipped, cleanup=cleanup)
-
-
-def _if_capable(
-    module: str, redis_url: str | None, capable: Collection[str], skipped: list[str]
-) -> str | None:
-    if redis_url is None or module in capable:
-        return redis_url
-    skipped.append(f"--redis-url for {module}: it does not accept the flag yet (embedded store)")
-    return None
+    return Stack(services=services, env=env, summary=summary, cleanup=cleanup)
 
 
 def ensure_token_file(config: UpConfig, run_dir: Path) -> tuple[Path, bool]:
@@ -553,22 +509,6 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def redis_capable(python: str, modules: Sequence[str]) -> set[str]:
-    """Which of `modules` accept `--redis-url` (their `--help` lists it), asked in parallel."""
-    probes = {
-        module: subprocess.Popen(
-            [python, "-m", module, "--help"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-        )
-        for module in modules
-    }
-    capable = set()
-    for module, proc in probes.items():
-        out, _ = proc.communicate(timeout=60)
-        if b"--redis-url" in out:
-            capable.add(module)
-    return capable
-
-
 class _Signals:
     """SIGINT/SIGTERM → stop; a second SIGINT → force (kill what is left at once)."""
 
@@ -596,7 +536,6 @@ def _state(stack: Stack, processes: Sequence[ManagedProcess], env_file: Path) ->
         {
             "up_pid": os.getpid(),
             "env_file": str(env_file),
-            "skipped": stack.skipped,
             "services": {
                 p.name: {
                     "pid": p.pid,
@@ -656,16 +595,7 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
     token_file, generated = ensure_token_file(config, run_dir)
     if generated:
         report(f"generated a token in {token_file} (mode 0600)")
-    with_health = health_available()
-    redis_modules: set[str] = set()
-    if config.replicated_quorum:
-        modules = ["fthsdp.services.quorum", "fthsdp.services.checkpoint"]
-        redis_modules = redis_capable(
-            config.python, modules + ["fthsdp.services.health"] * with_health
-        )
-    stack = plan_stack(config, token_file, with_health=with_health, redis_modules=redis_modules)
-    for line in stack.skipped:
-        report(f"skipped {line}")
+    stack = plan_stack(config, token_file)
     signals = _Signals()
     signals.install()
     supervisor = Supervisor(
@@ -835,6 +765,10 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="failures in a row after which a crash-looping service stops the stack; 0 never "
         "restarts (default 10)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-health", action="store_true",
+        help="do not run the health service (ranks then send no telemetry)",
+    )  # fmt: skip
     p.add_argument("--log-level", help="passed to every service (e.g. INFO, DEBUG)")
     p.add_argument(
         "--log-format", choices=logs.FORMATS,
@@ -860,6 +794,7 @@ def run_up_command(args: argparse.Namespace) -> int:
         redis=args.redis,
         redis_url=args.redis_url,
         redis_server=args.redis_server,
+        health=not args.no_health,
         lease_ttl_ms=args.lease_ttl_ms,
         min_replicas=args.min_replicas,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,

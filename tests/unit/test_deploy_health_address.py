@@ -209,7 +209,7 @@ def _shell_words(command: str, env: dict[str, str]) -> list[str]:
 def test_the_command_fthsdp_up_prints_reports_to_its_health_service(tmp_path: Path) -> None:
     config = UpConfig(run_dir=tmp_path)
     token, _ = ensure_token_file(config, tmp_path)
-    stack = plan_stack(config, token, with_health=True)
+    stack = plan_stack(config, token)
     address = _health_address(_worker_args(_shell_words(replica_command(stack.env), stack.env)))
     # `up` runs the central service only; ranks report to it directly.
     health = next(s for s in stack.services if s.name == "health")
@@ -219,8 +219,8 @@ def test_the_command_fthsdp_up_prints_reports_to_its_health_service(tmp_path: Pa
 
 
 def test_without_a_health_service_the_command_passes_no_address(tmp_path: Path) -> None:
-    config = UpConfig(run_dir=tmp_path)
+    config = UpConfig(run_dir=tmp_path, health=False)
     token, _ = ensure_token_file(config, tmp_path)
-    stack = plan_stack(config, token, with_health=False)
+    stack = plan_stack(config, token)
     words = _shell_words(replica_command(stack.env), stack.env)
     assert parse_args(_worker_args(words)).health is None

@@ -24,8 +24,6 @@ from fthsdp.deploy.up import (
 )
 from fthsdp.services.common.tokens import load_token
 
-ALL = ("fthsdp.services.quorum", "fthsdp.services.checkpoint", "fthsdp.services.health")
-
 
 def _argv(stack_services: list[ServiceSpec], name: str) -> list[str]:
     return list(next(s for s in stack_services if s.name == name).argv)
@@ -38,7 +36,7 @@ def _value(argv: list[str], flag: str) -> str:
 def test_plan_binds_loopback_on_distinct_ports_and_passes_no_secret(tmp_path: Path) -> None:
     token, generated = ensure_token_file(UpConfig(run_dir=tmp_path), tmp_path)
     assert generated
-    stack = plan_stack(UpConfig(run_dir=tmp_path), token, with_health=True)
+    stack = plan_stack(UpConfig(run_dir=tmp_path), token)
     assert [s.name for s in stack.services] == ["quorum", "checkpoint", "health"]
     ports = []
     secret = load_token(path=str(token)).value
@@ -57,23 +55,22 @@ def test_plan_binds_loopback_on_distinct_ports_and_passes_no_secret(tmp_path: Pa
     assert _value(health, "--mode") == "central"
     assert stack.env["FTHSDP_QUORUM"] == f"127.0.0.1:{_value(quorum, '--port')}"
     assert stack.env["FTHSDP_TOKEN_FILE"] == str(token)
-    assert stack.skipped == []
 
 
 def test_ports_from_flags_are_kept(tmp_path: Path) -> None:
-    config = UpConfig(run_dir=tmp_path, quorum_port=17450, checkpoint_port=17470)
+    config = UpConfig(run_dir=tmp_path, quorum_port=17450, checkpoint_port=17470, health=False)
     token, _ = ensure_token_file(config, tmp_path)
-    stack = plan_stack(config, token, with_health=False)
+    stack = plan_stack(config, token)
     assert _value(_argv(stack.services, "quorum"), "--port") == "17450"
     assert stack.env["FTHSDP_CHECKPOINT_URL"] == "http://127.0.0.1:17470"
-    assert "FTHSDP_HEALTH" not in stack.env
-    assert any(line.startswith("health:") for line in stack.skipped)
+    assert "FTHSDP_HEALTH" not in stack.env  # --no-health
+    assert [s.name for s in stack.services] == ["quorum", "checkpoint"]
 
 
 def test_a_wildcard_host_advertises_a_reachable_name(tmp_path: Path) -> None:
     config = UpConfig(run_dir=tmp_path, host="0.0.0.0", advertise_host="node7")
     token, _ = ensure_token_file(config, tmp_path)
-    stack = plan_stack(config, token, with_health=True)
+    stack = plan_stack(config, token)
     assert stack.env["FTHSDP_QUORUM"].startswith("node7:")
     assert stack.env["FTHSDP_HEALTH_URL"].startswith("http://node7:")
     assert _value(_argv(stack.services, "quorum"), "--host") == "0.0.0.0"
@@ -82,7 +79,7 @@ def test_a_wildcard_host_advertises_a_reachable_name(tmp_path: Path) -> None:
 def test_redis_plan_runs_leader_and_standby_over_a_private_socket(tmp_path: Path) -> None:
     config = UpConfig(run_dir=tmp_path, redis=True)
     token, _ = ensure_token_file(config, tmp_path)
-    stack = plan_stack(config, token, with_health=True, redis_modules=ALL)
+    stack = plan_stack(config, token)
     names = [s.name for s in stack.services]
     assert names == ["redis", "quorum-a", "quorum-b", "checkpoint", "health"]
     redis = next(s for s in stack.services if s.name == "redis")
@@ -90,21 +87,19 @@ def test_redis_plan_runs_leader_and_standby_over_a_private_socket(tmp_path: Path
     conf = Path(redis.argv[1]).read_text()
     assert "port 0" in conf and "unixsocketperm 700" in conf
     url = f"unix://{redis.addresses['unix_socket']}"
-    for name in ("quorum-a", "quorum-b", "checkpoint", "health"):
-        assert _value(_argv(stack.services, name), "--redis-url") == url
+    variables = {
+        "quorum-a": "FTHSDP_QUORUM_REDIS_URL",
+        "quorum-b": "FTHSDP_QUORUM_REDIS_URL",
+        "checkpoint": "FTHSDP_CHECKPOINT_REDIS_URL",
+        "health": "FTHSDP_HEALTH_REDIS_URL",
+    }
+    for spec in stack.services[1:]:
+        # In the environment, never on a command line (a Redis URL may hold a password).
+        assert "--redis-url" not in spec.argv and url not in " ".join(spec.argv)
+        assert dict(spec.env) == {variables[spec.name]: url}
     a, b = (_value(_argv(stack.services, n), "--port") for n in ("quorum-a", "quorum-b"))
     assert stack.env["FTHSDP_QUORUM"] == f"127.0.0.1:{a},127.0.0.1:{b}"
     assert {s.group for s in stack.services if s.name.startswith("quorum")} == {"quorum"}
-
-
-def test_redis_is_refused_when_the_quorum_service_cannot_use_it(tmp_path: Path) -> None:
-    config = UpConfig(run_dir=tmp_path, redis_url="redis://127.0.0.1:6379/0")
-    token, _ = ensure_token_file(config, tmp_path)
-    with pytest.raises(ValueError, match="leader"):
-        plan_stack(config, token, with_health=False, redis_modules=("fthsdp.services.checkpoint",))
-    stack = plan_stack(config, token, with_health=False, redis_modules=("fthsdp.services.quorum",))
-    assert "--redis-url" not in _argv(stack.services, "checkpoint")
-    assert any("fthsdp.services.checkpoint" in line for line in stack.skipped)
 
 
 @pytest.mark.parametrize(
