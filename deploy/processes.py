@@ -163,7 +163,7 @@ class GaveUp(RuntimeError):
     """A child kept dying: the launcher stops everything rather than loop forever."""
 
 
-class Supervisor:
+class ServiceSupervisor:
     """Starts children in order, keeps them running, stops them in tiers."""
 
     def __init__(

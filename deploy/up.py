@@ -56,7 +56,7 @@ from fthsdp.deploy.processes import (
     ManagedProcess,
     RestartPolicy,
     ServiceSpec,
-    Supervisor,
+    ServiceSupervisor,
     free_port,
 )
 from fthsdp.services.common import logs
@@ -598,7 +598,7 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
     stack = plan_stack(config, token_file)
     signals = _Signals()
     signals.install()
-    supervisor = Supervisor(
+    supervisor = ServiceSupervisor(
         stack.services,
         policy=RestartPolicy(max_failures_in_a_row=config.max_restarts),
         report=report,

@@ -416,7 +416,7 @@ class RunLog:
     run: RunEvent | None = None
     """The launcher's first line, if written."""
     supervisor: list[SupervisorEvent] = field(default_factory=list)
-    """Supervisor events other than `run`."""
+    """ReplicaSupervisor events other than `run`."""
     replicas: dict[str, list[ReplicaEvent]] = field(default_factory=dict)
     """Replica id → its events."""
     skipped: list[str] = field(default_factory=list)

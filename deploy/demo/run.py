@@ -1,8 +1,8 @@
 """`fthsdp demo`: the whole stack on this machine, a tiny GPT, and failures on a schedule.
 
 The quorum service runs embedded in this process, the checkpoint service as a sidecar process,
-and every rank as its own process (see `Supervisor`). At the end the replicas are brought to one
-agreed step, and the run's logs become a JSON report and a PNG plot."""
+and every rank as its own process (see `ReplicaSupervisor`). At the end the replicas are brought
+to one agreed step, and the run's logs become a JSON report and a PNG plot."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from fthsdp.deploy.demo.eventlog import EventLog
 from fthsdp.deploy.demo.report import CommitEvent, JsonlTail
-from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, Supervisor
+from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, ReplicaSupervisor
 from fthsdp.deploy.stack import LocalStack
 from fthsdp.services.common import logs
 from fthsdp.services.health.client_http import HealthClient
@@ -273,7 +273,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 *config.log_flags,
             ),
         )  # fmt: skip
-        supervisor = Supervisor(
+        supervisor = ReplicaSupervisor(
             command,
             events,
             on_failure=lambda rid, why: stack.report_failure(rid, why),
@@ -355,7 +355,7 @@ class _Driver:
         self,
         config: DemoConfig,
         stack: LocalStack,
-        supervisor: Supervisor,
+        supervisor: ReplicaSupervisor,
         quorum: _QuorumView,
     ) -> None:
         self.config = config

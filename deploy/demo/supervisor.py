@@ -217,7 +217,7 @@ class ReplicaCommand:
         return ["--health", agent] if agent else []
 
 
-class Supervisor:
+class ReplicaSupervisor:
     """Starts, watches, restarts and (on purpose) breaks replicas."""
 
     def __init__(

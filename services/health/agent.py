@@ -46,7 +46,7 @@ from fthsdp.services.health.client_codec import (
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.metrics import HealthMetrics
-from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.teardown import kill
 from fthsdp.services.health.telemetry import (
     CollectiveRecord,
@@ -71,7 +71,7 @@ class NodeAgent:
         token: Token,
         metrics: HealthMetrics,
         *,
-        quorum: QuorumLink | None = None,
+        quorum: QuorumReporter | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config

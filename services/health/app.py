@@ -59,7 +59,7 @@ from fthsdp.services.health.client_types import (
 )
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
-from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.service import CentralEngine
 from fthsdp.services.health.store import RECORD_KINDS, RecordKind
 from fthsdp.services.health.telemetry import IncidentKind
@@ -80,7 +80,7 @@ class ApiContext:
     ready: Callable[[], bool]
     engine: CentralEngine | None = None
     agent: NodeAgent | None = None
-    quorum: QuorumLink | None = None
+    quorum: QuorumReporter | None = None
 
 
 class GuardMiddleware:
@@ -265,7 +265,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
-def _quorum_routes(app: FastAPI, quorum: QuorumLink | None) -> None:
+def _quorum_routes(app: FastAPI, quorum: QuorumReporter | None) -> None:
     @app.get("/v1/quorum/history", tags=["quorum"], response_model=QuorumHistory)
     async def quorum_history(limit: Annotated[int, Query(ge=1, le=128)] = 32) -> dict[str, Any]:
         if quorum is None:

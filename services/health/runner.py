@@ -19,7 +19,7 @@ from fthsdp.services.health.app import ApiContext, HttpServer, create_agent_app,
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
-from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.server import IngestServer, IngestSink
 from fthsdp.services.health.service import CentralEngine
 from fthsdp.services.health.store import InMemoryTelemetryStore, RedisTelemetryStore, TelemetryStore
@@ -55,9 +55,9 @@ class HealthNode:
         self.config = config
         self._token = token if isinstance(token, Token) else Token(token)
         self.metrics = HealthMetrics()
-        self.quorum: QuorumLink | None = None
+        self.quorum: QuorumReporter | None = None
         if config.quorum:
-            self.quorum = QuorumLink(
+            self.quorum = QuorumReporter(
                 config.quorum, self._token, timeout=config.quorum_timeout, metrics=self.metrics
             )
         self.engine: CentralEngine | None = None

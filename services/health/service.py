@@ -33,7 +33,7 @@ from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.core import CoreStats, HealthCore, ReplicaView
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
-from fthsdp.services.health.quorum_link import QuorumLink
+from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.store import TelemetryStore
 from fthsdp.services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
 
@@ -83,7 +83,7 @@ class CentralEngine:
         store: TelemetryStore,
         metrics: HealthMetrics,
         *,
-        quorum: QuorumLink | None = None,
+        quorum: QuorumReporter | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fthsdp.deploy.processes import GaveUp, RestartPolicy, ServiceSpec, Supervisor
+from fthsdp.deploy.processes import GaveUp, RestartPolicy, ServiceSpec, ServiceSupervisor
 from fthsdp.deploy.up import (
     ENV_FILE_NAME,
     UpConfig,
@@ -145,7 +145,7 @@ def _crasher(tmp_path: Path, name: str = "crasher") -> ServiceSpec:
     )
 
 
-def _tick_until(supervisor: Supervisor, condition: object, timeout: float = 20.0) -> None:
+def _tick_until(supervisor: ServiceSupervisor, condition: object, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -156,7 +156,7 @@ def _tick_until(supervisor: Supervisor, condition: object, timeout: float = 20.0
 def test_supervisor_restarts_a_dead_child_then_gives_up_on_a_crash_loop(tmp_path: Path) -> None:
     messages: list[str] = []
     policy = RestartPolicy(first_delay_s=0.01, max_delay_s=0.02, max_failures_in_a_row=2)
-    supervisor = Supervisor([_crasher(tmp_path)], policy=policy, report=messages.append)
+    supervisor = ServiceSupervisor([_crasher(tmp_path)], policy=policy, report=messages.append)
     supervisor.start_all()
     process = supervisor.processes[0]
     _tick_until(supervisor, lambda: process.restarts == 2)
@@ -197,7 +197,7 @@ def test_stop_all_stops_clients_before_their_store(tmp_path: Path) -> None:
         )
         for name, tier in (("store", 0), ("client-a", 1), ("client-b", 1))
     ]
-    supervisor = Supervisor(specs, policy=RestartPolicy(), report=lambda _: None)
+    supervisor = ServiceSupervisor(specs, policy=RestartPolicy(), report=lambda _: None)
     supervisor.start_all()
     deadline = time.monotonic() + 20
     while not all((tmp_path / f"ready-{s.name}").exists() for s in specs):

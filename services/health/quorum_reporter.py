@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 Outcome = Literal["evicted", "already_gone", "unknown_replica", "failed", "deduplicated"]
 
 
-class QuorumLink:
+class QuorumReporter:
     """Reports failures to, and reads history from, the quorum service (asyncio, one loop)."""
 
     def __init__(
@@ -44,7 +44,7 @@ class QuorumLink:
         dedupe: timedelta = timedelta(seconds=1),
     ) -> None:
         if not addresses:
-            raise ValueError("QuorumLink needs at least one address")
+            raise ValueError("QuorumReporter needs at least one address")
         self._clients = [
             AsyncQuorumClient(address, token, rpc_timeout=timeout, connect_timeout=timedelta(0))
             for address in addresses
