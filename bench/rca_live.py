@@ -54,6 +54,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from fthsdp.services.common import logs
+
 KINDS = ("process", "replica", "hang", "hang_point", "slow_point", "slow")
 """Fault kinds: the supervisor's kill modes by name, and the planned fault points `hang` and
 `slow` as `hang_point` and `slow_point`."""
@@ -419,7 +421,7 @@ def run_once(run: int, run_dir: Path, args: argparse.Namespace) -> dict[str, Any
 
 def score_dir(run: int, run_dir: Path, window_s: float) -> dict[str, Any]:
     """Scores a finished run directory (its `report.json`, run log and fault markers)."""
-    from fthsdp.deploy.demo.report import RunLog
+    from fthsdp.deploy.demo.events import RunLog
 
     report = json.loads((run_dir / "report.json").read_text())
     log = RunLog.load(run_dir)
@@ -530,6 +532,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    logs.configure("WARNING")  # the demo's own warnings (its embedded quorum service's)
     work = args.run_dir or Path(tempfile.mkdtemp(prefix="fthsdp-bench-rca-live-"))
     runs = []
     for run in range(args.start, args.start + args.runs):

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from fthsdp.bench.ddp_baseline import run_ddp
-from fthsdp.deploy.demo.report import CommitEvent, RestartEvent, RunLog
+from fthsdp.deploy.demo.events import CommitEvent, RestartEvent, RunLog
 from fthsdp.deploy.demo.run import DemoConfig, run_demo
 from fthsdp.services.common import logs
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fthsdp.bench.recovery import machine
-from fthsdp.deploy.demo.report import ExitEvent, InjectEvent, RestartEvent, RunLog
+from fthsdp.deploy.demo.events import ExitEvent, InjectEvent, RestartEvent, RunLog
 from fthsdp.deploy.demo.run import DemoConfig, run_demo
 
 MODES = ("killed", "stopped", "stuck")

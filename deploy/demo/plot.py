@@ -22,7 +22,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fthsdp.deploy.demo.report import RunLog, analyse, build_report
+from fthsdp.deploy.demo.events import RunLog
+from fthsdp.deploy.demo.report import analyse, build_report
 
 _MODE_COLORS = {"process": "tab:red", "replica": "tab:purple", "hang": "tab:orange"}
 RECOVERY_GID = "recovery"

@@ -18,8 +18,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from fthsdp.deploy.demo.eventlog import EventLog
-from fthsdp.deploy.demo.report import CommitEvent, JsonlTail
+from fthsdp.deploy.demo.events import (
+    CommitEvent,
+    EndEvent,
+    EventLog,
+    InjectEvent,
+    JsonlTail,
+    QuorumEvent,
+    RunEvent,
+)
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, ReplicaSupervisor
 from fthsdp.deploy.stack import LocalStack
 from fthsdp.services.common import logs
@@ -189,11 +196,12 @@ class _QuorumView:
             self.quorum_id = latest.quorum_id
             self.healthy = tuple(latest.healthy)
             self._events.write(
-                "quorum",
-                quorum_id=latest.quorum_id,
-                members=list(latest.members),
-                healthy=list(latest.healthy),
-                max_step=latest.max_step,
+                QuorumEvent(
+                    quorum_id=latest.quorum_id,
+                    members=tuple(latest.members),
+                    healthy=tuple(latest.healthy),
+                    max_step=latest.max_step,
+                )
             )
 
 
@@ -281,15 +289,16 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             spares=config.spares,
         )
         events.write(
-            "run",
-            replicas=[r.replica_id for r in supervisor.replicas],
-            world_size=config.ranks,
-            kill_every_s=config.kill_every.total_seconds() if config.kill_every else None,
-            kill_mode=config.kill_mode,
-            seed=config.seed,
-            samples_per_step=config.micro_batch * config.ranks,
-            total_replicas=config.replicas,
-            min_replicas=config.quorum_floor,
+            RunEvent(
+                replicas=tuple(r.replica_id for r in supervisor.replicas),
+                world_size=config.ranks,
+                kill_every_s=config.kill_every.total_seconds() if config.kill_every else None,
+                kill_mode=config.kill_mode,
+                seed=config.seed,
+                samples_per_step=config.micro_batch * config.ranks,
+                total_replicas=config.replicas,
+                min_replicas=config.quorum_floor,
+            )
         )
         quorum = _QuorumView(events)
         watcher = threading.Thread(
@@ -313,7 +322,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             driver.settle(run_dir)
         finally:
             supervisor.stop_all(grace=10.0)
-            events.write("end")
+            events.write(EndEvent())
             stop.set()
             events.close()
             incidents = _health_incidents(stack, token_file)
@@ -419,14 +428,14 @@ class _Driver:
     def _inject(self, rng: random.Random) -> bool:
         """Breaks something; False when nothing may be broken now."""
         if self.config.kill_mode == "quorum":
-            self.supervisor.events.write("inject", replica=None, mode="quorum", rank=None)
+            self.supervisor.events.write(InjectEvent(replica=None, mode="quorum", rank=None))
             self.stack.restart_quorum()
             return True
         if self.config.kill_mode in ("store", "store-replica"):
             period = (self.config.kill_every or timedelta(0)).total_seconds()
             if self.stack.store_down() or time.monotonic() < self.stack.store_up_since + period:
                 return False  # one outage at a time, each a full period after the last one
-            self.supervisor.events.write("inject", replica=None, mode="store", rank=None)
+            self.supervisor.events.write(InjectEvent(replica=None, mode="store", rank=None))
             self.stack.kill_store(self.config.store_down)
             if self.config.kill_mode == "store-replica":
                 self._replica_kill_at = time.monotonic() + min(

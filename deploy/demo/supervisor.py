@@ -19,7 +19,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.events import (
+    EventLog,
+    ExitEvent,
+    InjectEvent,
+    LaunchEvent,
+    RestartEvent,
+    RollbackEvent,
+    SparesEvent,
+)
 from fthsdp.deploy.demo.spares import SparePool, assign
 from fthsdp.deploy.processes import free_port
 
@@ -272,9 +280,9 @@ class ReplicaSupervisor:
         replica.restart_at = None
         replica.hung = False
         if replica.starts > 1:
-            self.events.write("restart", replica=replica.replica_id, spare=taken is not None)
+            self.events.write(RestartEvent(replica=replica.replica_id, spare=taken is not None))
         else:
-            self.events.write("launch", replica=replica.replica_id)
+            self.events.write(LaunchEvent(replica=replica.replica_id))
 
     def start_all(self) -> None:
         for replica in self.replicas:
@@ -286,7 +294,7 @@ class ReplicaSupervisor:
         victims = [replica]
         if self._policy == "job":
             victims += [r for r in self.replicas if r is not replica and r.running]
-            self.events.write("rollback", replica=replica.replica_id)
+            self.events.write(RollbackEvent(replica=replica.replica_id))
         for victim in victims:
             self._take_down(victim, reason)
 
@@ -311,13 +319,13 @@ class ReplicaSupervisor:
             warm = self.spares.warm
             if warm != self._spares_shown:
                 self._spares_shown = warm
-                self.events.write("spares", warm=warm)
+                self.events.write(SparesEvent(warm=warm))
         for replica in self.replicas:
             for rank, proc in enumerate(replica.procs):
                 code = proc.poll()
                 if code is None or rank in replica.ended:
                     continue
-                self.events.write("exit", replica=replica.replica_id, rank=rank, code=code)
+                self.events.write(ExitEvent(replica=replica.replica_id, rank=rank, code=code))
                 if code == 0 and self.stopping:
                     replica.ended.add(rank)
                     continue
@@ -367,7 +375,7 @@ class ReplicaSupervisor:
             replica.throttle.start()
         else:
             raise ValueError(f"unknown kill mode {mode!r}; choose from {KILL_MODES}")
-        self.events.write("inject", replica=replica.replica_id, mode=mode, rank=rank)
+        self.events.write(InjectEvent(replica=replica.replica_id, mode=mode, rank=rank))
         return replica.replica_id
 
     def evicted(self, replica_id: str) -> None:

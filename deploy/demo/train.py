@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fthsdp.deploy.demo.corpus import CharDataset, CharWindows
-from fthsdp.deploy.demo.eventlog import EventLog
+from fthsdp.deploy.demo.events import CommitEvent, EventLog, FinalEvent, StartEvent
 from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.common.private_dir import default_shm_dir
@@ -217,20 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     def on_commit(outcome: StepOutcome) -> None:
         if events is not None:
             events.write(
-                "commit",
-                replica=args.replica_id,
-                step=outcome.step,
-                quorum_id=outcome.quorum_id,
-                healthy=list(outcome.healthy),
-                recovered=outcome.recovered,
-                trained={r: list(span) for r, span in outcome.trained.items()},
-                loss=None if outcome.recovered else last_loss,
-                tokens=0 if outcome.recovered else samples_per_step * dataset.block_size,
-                attempts=outcome.attempts,
-                seconds=outcome.seconds,
-                without_control_plane=outcome.without_control_plane,
-                # The leader's own micro-batch (dataset indices) fed in this step.
-                samples=batch_ids,
+                CommitEvent(
+                    replica=args.replica_id,
+                    step=outcome.step,
+                    quorum_id=outcome.quorum_id,
+                    healthy=tuple(outcome.healthy),
+                    recovered=outcome.recovered,
+                    trained={r: (span[0], span[1]) for r, span in outcome.trained.items()},
+                    loss=None if outcome.recovered else last_loss,
+                    tokens=0 if outcome.recovered else samples_per_step * dataset.block_size,
+                    attempts=outcome.attempts,
+                    seconds=dict(outcome.seconds),
+                    without_control_plane=outcome.without_control_plane,
+                    samples=tuple(batch_ids),
+                )
             )
 
     samples_per_step = args.micro_batch * args.world_size
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     batches = iter(loader)  # endless: the same samples again until a step commits with them
     if events is not None:
-        events.write("start", replica=args.replica_id, step=manager.step, pid=os.getpid())
+        events.write(StartEvent(replica=args.replica_id, step=manager.step, pid=os.getpid()))
     terminate = False
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     final_fingerprint = manager.fingerprint()  # a collective over the replica's ranks
     if events is not None:
         events.write(
-            "final", replica=args.replica_id, step=manager.step, fingerprint=final_fingerprint
+            FinalEvent(replica=args.replica_id, step=manager.step, fingerprint=final_fingerprint)
         )
     manager.shutdown()
     group.close()

@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from fthsdp.deploy.demo.report import (
+from fthsdp.deploy.demo.events import (
     CommitEvent,
     Event,
     ExitEvent,

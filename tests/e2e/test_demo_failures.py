@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fthsdp.deploy.demo.report import EndEvent, ExitEvent, InjectEvent, RestartEvent, RunLog
+from fthsdp.deploy.demo.events import EndEvent, ExitEvent, InjectEvent, RestartEvent, RunLog
 from fthsdp.worker.config import EXIT_TORN_DOWN
 from fthsdp.worker.data import ShardSpec
 from tests.e2e.conftest import DemoRunner

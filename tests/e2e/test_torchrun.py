@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from fthsdp.deploy.demo.eventlog import EventLog
-from fthsdp.deploy.demo.report import CommitEvent, FinalEvent, RunLog, build_report
+from fthsdp.deploy.demo.events import CommitEvent, EventLog, FinalEvent, RunEvent, RunLog
+from fthsdp.deploy.demo.report import build_report
 from fthsdp.deploy.demo.train import STOP_CHECK_STEPS
 from fthsdp.deploy.processes import free_port
 from fthsdp.deploy.stack import LocalStack
@@ -136,14 +136,15 @@ def cluster(tmp_path: Path) -> Iterator[tuple[LocalStack, Path, Path, list[Torch
     # The launcher's line the report reads (data layout), as the demo's supervisor writes it.
     launcher = EventLog(run_dir / "supervisor.jsonl")
     launcher.write(
-        "run",
-        replicas=list(REPLICAS),
-        world_size=RANKS,
-        kill_every_s=None,
-        kill_mode="process",
-        seed=0,
-        samples_per_step=RANKS * MICRO_BATCH,
-        total_replicas=len(REPLICAS),
+        RunEvent(
+            replicas=tuple(REPLICAS),
+            world_size=RANKS,
+            kill_every_s=None,
+            kill_mode="process",
+            seed=0,
+            samples_per_step=RANKS * MICRO_BATCH,
+            total_replicas=len(REPLICAS),
+        )
     )
     launcher.close()
     jobs: list[TorchrunJob] = []

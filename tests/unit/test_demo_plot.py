@@ -13,6 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from fthsdp.deploy.demo.events import RunLog
 from fthsdp.deploy.demo.plot import (
     END_PHASE_GID,
     LABEL_GID,
@@ -21,7 +22,7 @@ from fthsdp.deploy.demo.plot import (
     render_plot,
     write_plot,
 )
-from fthsdp.deploy.demo.report import RunLog, build_report
+from fthsdp.deploy.demo.report import build_report
 from tests.unit.test_demo_report import SyntheticRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

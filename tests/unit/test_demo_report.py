@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from fthsdp.deploy.demo.report import JsonlTail, RunLog, StartEvent, build_report, write_report
+from fthsdp.deploy.demo.events import JsonlTail, RunLog, StartEvent
+from fthsdp.deploy.demo.report import build_report, write_report
 
 T0 = 1000.0
 SPS = 8
@@ -120,7 +121,7 @@ def test_samples_are_exact_ranges_per_step(run_dir: Path) -> None:
     assert report["skipped_lines"] == []
     assert report["replicas"]["r1"]["commits"] == 8
     starts = [e for e in RunLog.load(run_dir).replicas["r1"] if isinstance(e, StartEvent)]
-    assert [s.incarnation for s in starts] == [0, 1]
+    assert [s.step for s in starts] == [0, 4]
 
 
 def test_invariants_hold_on_a_clean_run(run_dir: Path) -> None:
