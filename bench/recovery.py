@@ -254,25 +254,6 @@ def _survivor_pace(
     return rates
 
 
-def _history(commits: list[CommitEvent]) -> dict[str, int]:
-    """Replica-steps of the final history (per step, the contributors of its latest commit: a
-    rollback re-commits a step in a later quorum and supersedes it) and those thrown away (pairs
-    committed in a quorum whose step was later committed again in another)."""
-    latest: dict[int, CommitEvent] = {}
-    for c in commits:  # in time order
-        latest[c.step] = c
-    discarded = {
-        (c.step, replica, c.quorum_id)
-        for c in commits
-        if c.quorum_id != latest[c.step].quorum_id
-        for replica in c.trained
-    }
-    return {
-        "final": sum(len(c.trained) for c in latest.values()),
-        "discarded": len(discarded),
-    }
-
-
 def _full_prefix(commits: list[CommitEvent], report: dict[str, Any]) -> int:
     """Steps 0..k-1 in which every replica contributed (final history): only there does a step
     train the same samples as a DDP step with the same index."""
@@ -295,8 +276,8 @@ def analyse_run(run_dir: Path, report: dict[str, Any], warmup: int) -> dict[str,
     first = commits[0].t if commits else None
     last = commits[-1].t if commits else None
     span = (last - first) if first is not None and last is not None else None
-    history = _history(commits)
-    useful = history["final"]
+    # One rule for what training survived: the report's ledger (by rollback generation).
+    useful = int(summary["useful_replica_steps"])
     losses = report.get("series", {}).get("loss", {})
     return {
         "run_dir": str(run_dir),
@@ -311,8 +292,7 @@ def analyse_run(run_dir: Path, report: dict[str, Any], warmup: int) -> dict[str,
         "launch_span_s": None if last is None or t_run is None else last - t_run,
         "full_prefix_steps": _full_prefix(commits, report),
         "useful_replica_steps": useful,
-        "report_useful_replica_steps": int(summary["useful_replica_steps"]),
-        "discarded_replica_steps": history["discarded"],
+        "discarded_replica_steps": int(summary.get("rolled_back_replica_steps", 0)),
         "replica_steps_per_s": useful / span if span else None,
         "replica_steps_per_launch_s": useful / (last - t_run)
         if last is not None and t_run is not None and last > t_run
@@ -436,16 +416,12 @@ def compare(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     def ett(run: dict[str, Any]) -> dict[str, Any]:
         useful, span = run.get("useful_replica_steps"), run.get("span_s")
         wall = _get(run, "summary", "wall_time_s")
-        reported = run.get("report_useful_replica_steps")
         launch = run.get("launch_span_s")
         return {
             "time_launch": None
             if not rate_launch or not launch
             else useful / (rate_launch * launch),
             "time_span": None if not rate or not span else useful / (rate * span),
-            "time_span_report_useful": None
-            if not rate or not span or reported is None
-            else reported / (rate * span),
             "time_wall": None if not rate_wall or not wall else useful / (rate_wall * wall),
             "report_replica_steps": run.get("report_ett"),
         }
@@ -593,7 +569,6 @@ def _render_failures(result: dict[str, Any]) -> list[str]:
         )
     for key, label, fmt in (
         ("useful_replica_steps", "useful replica-steps", "d"),
-        ("report_useful_replica_steps", "  (report's count)", "d"),
         ("discarded_replica_steps", "thrown away by rollback", "d"),
         ("launch_span_s", "launch → last commit s", ".1f"),
         ("replica_steps_per_launch_s", "replica-steps / s", ".1f"),

@@ -184,3 +184,12 @@ def test_a_slowdown_hovering_at_the_margin_is_one_incident() -> None:
         det.add([_record(n, sq, 0.8 if slow else 1.0, replica=r) for r in ("r1", "r2")])
         found += det.check(float(n))
     assert [i.replica_id for i in found] == ["r0"]
+
+
+def test_the_evidence_names_the_slowest_ranks_of_the_step() -> None:
+    det = FailSlowDetector(DetectorConfig(fail_slow_warmup_steps=30))
+    (found,) = _feed(det, range(120), factor_from=70, factor=1.6)
+    (slowest,) = found.evidence["slowest_ranks"]  # _feed's replicas have one rank
+    assert slowest["rank"] == 0
+    assert slowest["own_s"] == pytest.approx(found.evidence["measured_s"])
+    assert slowest["waiting_s"] == pytest.approx(0.2)

@@ -102,6 +102,8 @@ def _refit(series: _Series) -> None:
 @dataclass(slots=True)
 class _Step:
     own_s: float = 0.0
+    by_rank: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Rank -> (its own time, its time waiting on others): which rank set `own_s`."""
     tokens: int = 0
     sq: int = 0
     ranks: int = 0
@@ -210,6 +212,7 @@ class FailSlowDetector:
             step = series.pending.setdefault(record.step, _Step())
             own = max(0.0, record.duration_s - record.exchange_wait_s)
             step.own_s = max(step.own_s, own)
+            step.by_rank[record.rank.rank] = (own, record.exchange_wait_s)
             step.tokens = max(step.tokens, record.tokens)
             step.sq = max(step.sq, record.sum_seq_len_sq)
             step.ranks += 1
@@ -389,6 +392,11 @@ class FailSlowDetector:
         return {
             "step": number,
             "measured_s": step.own_s,
+            # The slowest few ranks by their own time (bounded: a replica may have thousands).
+            "slowest_ranks": [
+                {"rank": r, "own_s": o, "waiting_s": w}
+                for r, (o, w) in sorted(step.by_rank.items(), key=lambda kv: -kv[1][0])[:3]
+            ],
             "predicted_s": predicted,
             "ratio": step.own_s / predicted,
             "median_residual": level,
