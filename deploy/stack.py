@@ -24,6 +24,7 @@ from types import TracebackType
 from fthsdp.deploy.local_redis import LocalRedis
 from fthsdp.deploy.probe import http_ok
 from fthsdp.deploy.processes import ManagedProcess, ServiceSpec, free_port
+from fthsdp.deploy.service_commands import redis_env, service_argv
 from fthsdp.services.common.private_dir import ensure_private_dir
 from fthsdp.services.common.tokens import load_token
 from fthsdp.services.quorum.client import QuorumClient
@@ -80,14 +81,13 @@ class Sidecar:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_dir = shm_dir
-        argv = [
-            sys.executable, "-m", "fthsdp.services.checkpoint",
-            "--port", str(self.port),
-            "--shm-dir", str(shm_dir),
-            "--durable-dir", str(durable_dir),
-            "--token-file", str(token_file),
-            *log_flags,
-        ]  # fmt: skip
+        argv = service_argv(
+            sys.executable,
+            "checkpoint",
+            token_file=token_file,
+            log_flags=log_flags,
+            flags=[("--port", self.port), ("--shm-dir", shm_dir), ("--durable-dir", durable_dir)],
+        )
         self.process = ManagedProcess(
             ServiceSpec(
                 name=f"checkpoint-{name}",
@@ -152,9 +152,10 @@ class LocalStack:
         self._quorum_processes: list[ManagedProcess] = []
         self._health_processes: list[ManagedProcess] = []
         self._health = health
-        self._health_flags = ["--on-failure", failure_action]
-        if hang_timeout is not None:
-            self._health_flags += ["--hang-timeout-ms", str(_ms(hang_timeout))]
+        self._health_flags: list[tuple[str, object | None]] = [
+            ("--on-failure", failure_action),
+            ("--hang-timeout-ms", None if hang_timeout is None else _ms(hang_timeout)),
+        ]
         self._hosts = hosts
         shm = shm_root / f"fthsdp-{run_dir.resolve().name}-{int(time.time())}"
         self._shm = shm
@@ -221,22 +222,24 @@ class LocalStack:
         config = self._quorum_config
         for name in ("quorum-a", "quorum-b"):
             port, admin = free_port(), free_port()
-            argv = [
-                sys.executable, "-m", "fthsdp.services.quorum",
-                "--port", str(port),
-                "--admin-port", str(admin),
-                "--token-file", str(self._token_file),
-                "--min-replicas", str(config.min_replicas),
-                "--heartbeat-timeout-ms", str(_ms(config.heartbeat_timeout)),
-                "--join-timeout-ms", str(_ms(config.join_timeout)),
-                *self._log_flags,
-            ]  # fmt: skip
+            argv = service_argv(
+                sys.executable,
+                "quorum",
+                token_file=self._token_file,
+                log_flags=self._log_flags,
+                flags=[
+                    ("--port", port),
+                    ("--admin-port", admin),
+                    ("--min-replicas", config.min_replicas),
+                    ("--heartbeat-timeout-ms", _ms(config.heartbeat_timeout)),
+                    ("--join-timeout-ms", _ms(config.join_timeout)),
+                ],
+            )
             spec = ServiceSpec(
                 name=name,
                 argv=argv,
                 die_with_parent=False,
-                # The Redis password travels in the environment, never on a command line.
-                env={"FTHSDP_QUORUM_REDIS_URL": self._redis.url},
+                env=redis_env("quorum", self._redis.url),
                 log_path=self._run_dir / "logs" / f"{name}.log",
                 live=_http_ready(f"http://127.0.0.1:{admin}/livez"),
                 ready=_http_ready(f"http://127.0.0.1:{admin}/readyz"),
@@ -322,18 +325,23 @@ class LocalStack:
 
     # ---- health -------------------------------------------------------------------------------
 
-    def _health_spec(self, name: str, mode: str, grpc: int, http: int, *extra: str) -> ServiceSpec:
-        argv = [
-            sys.executable, "-m", "fthsdp.services.health",
-            "--mode", mode,
-            "--port", str(grpc),
-            "--http-port", str(http),
-            "--quorum", self.quorum_address,
-            "--token-file", str(self._token_file),
-            *self._health_flags,
-            *self._log_flags,
-            *extra,
-        ]  # fmt: skip
+    def _health_spec(
+        self, name: str, mode: str, grpc: int, http: int, *extra: tuple[str, object]
+    ) -> ServiceSpec:
+        argv = service_argv(
+            sys.executable,
+            "health",
+            token_file=self._token_file,
+            log_flags=self._log_flags,
+            flags=[
+                ("--mode", mode),
+                ("--port", grpc),
+                ("--http-port", http),
+                ("--quorum", self.quorum_address),
+                *self._health_flags,
+                *extra,
+            ],
+        )
         return ServiceSpec(
             name=name,
             argv=argv,
@@ -348,12 +356,16 @@ class LocalStack:
         specs = [central]
         for host in self._hosts:
             agent = self._health_spec(
-                f"health-agent-{host}", "agent", free_port(), free_port(),
-                "--central", central.addresses["grpc"], "--node", host,
+                f"health-agent-{host}",
+                "agent",
+                free_port(),
+                free_port(),
+                ("--central", central.addresses["grpc"]),
+                ("--node", host),
                 # As patient as the quorum service: on a loaded machine a rank's telemetry
                 # thread can be starved for half a second without the rank being dead.
-                "--heartbeat-timeout-ms", str(_ms(self._quorum_config.heartbeat_timeout)),
-            )  # fmt: skip
+                ("--heartbeat-timeout-ms", _ms(self._quorum_config.heartbeat_timeout)),
+            )
             specs.append(agent)
             self.health_agents[host] = agent.addresses["grpc"]
         self._health_processes = [ManagedProcess(spec) for spec in specs]

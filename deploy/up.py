@@ -59,6 +59,7 @@ from fthsdp.deploy.processes import (
     ServiceSupervisor,
     free_port,
 )
+from fthsdp.deploy.service_commands import log_flags, redis_env, service_argv
 from fthsdp.services.common import logs
 from fthsdp.services.common.tokens import load_token
 
@@ -266,12 +267,6 @@ def _redis_spec(config: UpConfig, run_dir: Path) -> tuple[ServiceSpec, str, Path
     return spec, f"unix://{sock}", temporary
 
 
-def _redis_env(prefix: str, redis_url: str | None) -> dict[str, str]:
-    """A service's Redis URL in its environment, never on its command line (`ps` shows that to
-    every user), as it may hold a password."""
-    return {} if redis_url is None else {f"{prefix}REDIS_URL": redis_url}
-
-
 def _quorum_specs(
     config: UpConfig, run_dir: Path, token: Path, ports: dict[str, int], redis_url: str | None
 ) -> list[ServiceSpec]:
@@ -283,30 +278,27 @@ def _quorum_specs(
         ]
     specs = []
     for name, port, admin in instances:
-        argv = [
-            config.python, "-m", "fthsdp.services.quorum",
-            "--host", config.host,
-            "--port", str(port),
-            "--admin-port", str(admin),
-            "--token-file", str(token),
-        ]  # fmt: skip
-        for flag, value in (
-            ("--min-replicas", config.min_replicas),
-            ("--heartbeat-timeout-ms", config.heartbeat_timeout_ms),
-            ("--join-timeout-ms", config.join_timeout_ms),
-            ("--log-level", config.log_level),
-            ("--log-format", config.log_format),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        if redis_url is not None and config.lease_ttl_ms is not None:
-            argv += ["--lease-ttl-ms", str(config.lease_ttl_ms)]
+        argv = service_argv(
+            config.python,
+            "quorum",
+            token_file=token,
+            log_flags=log_flags(config.log_level, config.log_format),
+            flags=[
+                ("--host", config.host),
+                ("--port", port),
+                ("--admin-port", admin),
+                ("--min-replicas", config.min_replicas),
+                ("--heartbeat-timeout-ms", config.heartbeat_timeout_ms),
+                ("--join-timeout-ms", config.join_timeout_ms),
+                ("--lease-ttl-ms", config.lease_ttl_ms if redis_url is not None else None),
+            ],
+        )
         base = f"http://{_local(config.host)}:{admin}"
         specs.append(
             ServiceSpec(
                 name=name,
                 argv=argv,
-                env=_redis_env("FTHSDP_QUORUM_", redis_url),
+                env=redis_env("quorum", redis_url),
                 log_path=run_dir / "logs" / f"{name}.log",
                 live=_http_probe(f"{base}/livez"),
                 ready=_http_probe(f"{base}/readyz"),
@@ -326,23 +318,23 @@ def _checkpoint_spec(
     durable: Path,
     redis_url: str | None,
 ) -> ServiceSpec:
-    argv = [
-        config.python, "-m", "fthsdp.services.checkpoint",
-        "--host", config.host,
-        "--port", str(port),
-        "--shm-dir", str(shm),
-        "--durable-dir", str(durable),
-        "--token-file", str(token),
-    ]  # fmt: skip
-    if config.log_level is not None:
-        argv += ["--log-level", config.log_level.lower()]
-    if config.log_format is not None:
-        argv += ["--log-format", config.log_format]
+    argv = service_argv(
+        config.python,
+        "checkpoint",
+        token_file=token,
+        log_flags=log_flags(config.log_level, config.log_format),
+        flags=[
+            ("--host", config.host),
+            ("--port", port),
+            ("--shm-dir", shm),
+            ("--durable-dir", durable),
+        ],
+    )
     base = f"http://{_local(config.host)}:{port}"
     return ServiceSpec(
         name="checkpoint",
         argv=argv,
-        env=_redis_env("FTHSDP_CHECKPOINT_", redis_url),
+        env=redis_env("checkpoint", redis_url),
         log_path=run_dir / "logs" / "checkpoint.log",
         live=_http_probe(f"{base}/livez"),
         ready=_http_probe(f"{base}/readyz"),
@@ -358,25 +350,25 @@ def _health_spec(
     quorum: str,
     redis_url: str | None,
 ) -> ServiceSpec:
-    argv = [
-        config.python, "-m", "fthsdp.services.health",
-        "--mode", "central",
-        "--host", config.host,
-        "--port", str(ports["health_port"]),
-        "--http-port", str(ports["health_http_port"]),
-        "--quorum", quorum,
-        "--node", socket.gethostname(),
-        "--token-file", str(token),
-    ]  # fmt: skip
-    if config.log_level is not None:
-        argv += ["--log-level", config.log_level]
-    if config.log_format is not None:
-        argv += ["--log-format", config.log_format]
+    argv = service_argv(
+        config.python,
+        "health",
+        token_file=token,
+        log_flags=log_flags(config.log_level, config.log_format),
+        flags=[
+            ("--mode", "central"),
+            ("--host", config.host),
+            ("--port", ports["health_port"]),
+            ("--http-port", ports["health_http_port"]),
+            ("--quorum", quorum),
+            ("--node", socket.gethostname()),
+        ],
+    )
     base = f"http://{_local(config.host)}:{ports['health_http_port']}"
     return ServiceSpec(
         name="health",
         argv=argv,
-        env=_redis_env("FTHSDP_HEALTH_", redis_url),
+        env=redis_env("health", redis_url),
         log_path=run_dir / "logs" / "health.log",
         live=_http_probe(f"{base}/livez"),
         ready=_http_probe(f"{base}/readyz"),

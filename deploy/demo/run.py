@@ -28,6 +28,7 @@ from fthsdp.deploy.demo.events import (
     RunEvent,
 )
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, ReplicaSupervisor
+from fthsdp.deploy.service_commands import log_flags
 from fthsdp.deploy.stack import LocalStack
 from fthsdp.services.common import logs
 from fthsdp.services.health.client_http import HealthClient
@@ -154,13 +155,7 @@ class DemoConfig:
     @property
     def log_flags(self) -> tuple[str, ...]:
         """The logging flags every process the demo starts is given."""
-        flags: tuple[str, ...] = ()
-        if self.log_format is not None:
-            flags += ("--log-format", self.log_format)
-        if self.log_level is not None:
-            # Lower case: the checkpoint sidecar takes uvicorn's level names.
-            flags += ("--log-level", self.log_level.lower())
-        return flags
+        return log_flags(self.log_level, self.log_format)
 
     @property
     def quorum_floor(self) -> int:
