@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fthsdp.deploy import status_cmd
 from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
-from fthsdp.deploy.up import add_up_parser, run_up_command
+from fthsdp.deploy.up_cli import add_up_parser, run_up_command
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.health.config import FAILURE_ACTIONS
 
