@@ -16,22 +16,20 @@ import asyncio
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.protos import quorum_pb2_grpc as pb_grpc
 from fthsdp.services.common.backoff import Backoff
-from fthsdp.services.common.errors import code_in
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client_failover import Failover, parse_addresses
 from fthsdp.services.quorum.client_retry import CallRetry
 from fthsdp.services.quorum.client_types import (
-    ERROR_WIRE,
     AuthError,
     EventKind,
     InternalError,
@@ -52,6 +50,7 @@ from fthsdp.services.quorum.client_types import (
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
+from fthsdp.services.quorum.client_watch import AsyncWatchStream, WatchStream, translate
 
 __all__ = [
     "AsyncQuorumClient",
@@ -103,15 +102,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 _STALE_LEADER = "answer from a deposed quorum leader (older lease epoch); asking another instance"
 
 
-def _translate(err: grpc.RpcError) -> QuorumError:
-    call = cast(grpc.Call, err)
-    code = code_in(cast(Any, call.trailing_metadata()))
-    return cast(QuorumError, ERROR_WIRE.from_grpc(call.code(), call.details() or "", code))
-
-
 def _refusal(err: grpc.RpcError) -> QuorumUnavailableError:
     """The UNAVAILABLE error to retry on; raises any other error, which ends the call."""
-    error = _translate(err)
+    error = translate(err)
     if not isinstance(error, QuorumUnavailableError):
         raise error from None
     return error
@@ -237,46 +230,6 @@ class _ClientSettings:
 
 
 # ---- blocking client ------------------------------------------------------------------------
-
-
-class WatchStream(Iterator[MembershipEvent]):
-    """A blocking iterator of membership events; `cancel()` (from any thread) ends it."""
-
-    def __init__(self, call: Any, forget: Any, failed: Callable[[], None]) -> None:
-        self._call = call
-        self._forget = forget
-        self._failed = failed
-        self._cancelled = False
-
-    def __iter__(self) -> WatchStream:
-        return self
-
-    def __next__(self) -> MembershipEvent:
-        try:
-            msg = next(self._call)
-        except StopIteration:
-            self._forget(self)
-            raise
-        except grpc.RpcError as err:
-            self._forget(self)
-            if self._cancelled:
-                raise StopIteration from None
-            error = _translate(err)
-            if isinstance(error, QuorumUnavailableError):
-                self._failed()  # the next watch() asks another instance
-            raise error from None
-        return codec.event_from_pb(msg)
-
-    def cancel(self) -> None:
-        """Ends the stream; a blocked `next()` returns StopIteration."""
-        self._cancelled = True
-        self._call.cancel()
-
-    def __enter__(self) -> WatchStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cancel()
 
 
 class QuorumClient(_ClientSettings):
@@ -431,38 +384,6 @@ class QuorumClient(_ClientSettings):
 
 
 # ---- asyncio client -------------------------------------------------------------------------
-
-
-class AsyncWatchStream:
-    """An async iterator of membership events; `cancel()` ends it."""
-
-    def __init__(self, call: Any, failed: Callable[[], None]) -> None:
-        self._call = call
-        self._failed = failed
-        self._cancelled = False
-
-    def __aiter__(self) -> AsyncIterator[MembershipEvent]:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[MembershipEvent]:
-        try:
-            async for msg in self._call:
-                yield codec.event_from_pb(msg)
-        except asyncio.CancelledError:
-            if not self._cancelled:
-                raise
-        except grpc.RpcError as err:
-            if self._cancelled:
-                return
-            error = _translate(err)
-            if isinstance(error, QuorumUnavailableError):
-                self._failed()
-            raise error from None
-
-    def cancel(self) -> None:
-        """Ends the stream."""
-        self._cancelled = True
-        self._call.cancel()
 
 
 class AsyncQuorumClient(_ClientSettings):
