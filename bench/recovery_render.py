@@ -164,7 +164,7 @@ def render_overhead(result: dict[str, Any]) -> list[str]:
         "  fthsdp per step (median ms): "
         + ", ".join(
             f"{k} {_f(fph.get(k), '.1f', 1e3)}"
-            for k in ("quorum", "ring", "exchange", "commit", "rest")
+            for k in ("quorum", "ring", "exchange", "vote", "commit", "rest")
         )
         + "  (commit: gather inside the replica + optimizer; rest: data, forward, backward,"
         " the intra-replica sum)"
