@@ -59,7 +59,11 @@ def test_training_goes_on_through_a_60_s_store_outage(demo: DemoRunner, tmp_path
         assert during, f"{replica} committed nothing while the store was down"
         assert during[0]["t"] < outage + 6 and during[-1]["t"] > outage + 54, replica
         for before, after in itertools.pairwise(commits):
-            assert after["step"] == before["step"] + 1, (before, after)
+            # One step at a time; only once the store is back may a replica skip ahead, by a
+            # catch-up: the returning leader's new quorum id can leave a replica that was mid
+            # exchange on the old plan (trained without the service) to fetch the step instead.
+            back = after["t"] > outage + 60 and after["recovered"]
+            assert after["step"] == before["step"] + 1 or back, (before, after)
             if outage < after["t"] < outage + 61:
                 # Far below the 30-60 s timeouts that a step waiting on the store would hit.
                 assert after["t"] - before["t"] < 5.0, (before, after)
