@@ -7,7 +7,8 @@ import argparse
 from datetime import timedelta
 from pathlib import Path
 
-from fthsdp.deploy.up import UpConfig, run_up
+from fthsdp.deploy.up import run_up
+from fthsdp.deploy.up_plan import UpConfig
 from fthsdp.services.common import logs
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from fthsdp.bench import quality
-from fthsdp.bench.quality import FAULT_FREE, Outage, healthy_at, outage_schedule
+from fthsdp.bench.quality import Outage, healthy_at, outage_schedule
+from fthsdp.bench.quality_render import FAULT_FREE, render
 
 
 def _covered(schedule: list[Outage]) -> list[int]:
@@ -50,7 +51,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Pat
     json_path, png = out / "q.json", out / "q.png"
     assert quality.main(["--quick", "--json", str(json_path), "--plot", str(png)]) == 0
     data = json.loads(json_path.read_text())
-    return data, png, quality.render(data)
+    return data, png, render(data)
 
 
 def test_quick_run_covers_every_policy_at_equal_tokens(

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from fthsdp.deploy.demo.train import parse_args
-from fthsdp.deploy.up import UpConfig, ensure_token_file, plan_stack, replica_command
+from fthsdp.deploy.up import ensure_token_file, replica_command
+from fthsdp.deploy.up_plan import UpConfig, plan_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "fthsdp.deploy.demo.train"

@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 
 from fthsdp.deploy.processes import GaveUp, RestartPolicy, ServiceSpec, ServiceSupervisor
-from fthsdp.deploy.up import (
-    ENV_FILE_NAME,
-    UpConfig,
-    ensure_token_file,
-    plan_stack,
-    render_env,
-    run_up,
-)
+from fthsdp.deploy.up import ENV_FILE_NAME, ensure_token_file, render_env, run_up
+from fthsdp.deploy.up_plan import UpConfig, plan_stack
 from fthsdp.services.common.tokens import load_token
 
 
