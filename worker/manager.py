@@ -33,7 +33,7 @@ from fthsdp.worker.config import EXIT_TORN_DOWN, ManagerConfig, lr_factor
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.faults import FaultPlan
-from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
+from fthsdp.worker.ftar import FtarAbortedError, FtarConfig, FtarRing, RecoverableFtarError
 from fthsdp.worker.ftar.auth import ring_key
 from fthsdp.worker.metrics import WorkerMetrics
 from fthsdp.worker.peer_state import PeerState, StateFetchError
@@ -595,6 +595,11 @@ class Manager:
     def _ensure_ring(self, plan: StepPlan) -> None:
         if self._ring.epoch == plan.quorum_id and not self._ring.broken:
             return
+        gone = self._watch.gone_from(plan)
+        if gone is not None:
+            raise FtarAbortedError(
+                f"ring member {gone} was evicted after quorum {plan.quorum_id} formed"
+            )
         position = plan.ring_replicas.index(self.config.replica_id)
         self._ring.reconfigure(list(plan.ring), position, plan.quorum_id)
 

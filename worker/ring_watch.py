@@ -43,6 +43,11 @@ class RingWatch:
         self._on_teardown = on_teardown
         self.live = threading.Event()
         """Set once a stream has delivered its first event (the service's snapshot)."""
+        self._evicted: dict[str, int] = {}
+        """Replica -> the latest quorum id when it was last evicted or left: no ring of that
+        quorum or an older one that holds it can commit (a newer quorum holds a new
+        incarnation, if any)."""
+        self._evicted_lock = threading.Lock()
         self._stream: WatchStream | None = None
         self._client = QuorumClient(config.quorum_address, config.token)
         self.thread = threading.Thread(target=self._run, name="fthsdp-watch", daemon=True)
@@ -84,17 +89,29 @@ class RingWatch:
         if event.kind == "quorum":
             self._on_quorum(event, plan)
             return
-        if (
-            event.kind in ("evicted", "left")
-            and plan is not None
-            and event.replica_id in plan.ring_replicas
-            and not own
-        ):
+        if event.kind not in ("evicted", "left") or own or event.replica_id is None:
+            return
+        with self._evicted_lock:
+            self._evicted[event.replica_id] = event.quorum_id
+        if plan is not None and _holds(plan, event.replica_id, event.quorum_id):
             log.info(
                 "ring member evicted; aborting the exchange",
                 extra=self._context(evicted=event.replica_id),
             )
-            self._ring.abort()
+            # Sticky for the plan's epoch: this rank may not have started rebuilding its ring
+            # for it yet, and would then wait for the gone member until the connect timeout.
+            self._ring.abort(epoch=plan.quorum_id)
+
+    def gone_from(self, plan: StepPlan) -> str | None:
+        """A member of `plan`'s ring that was evicted (or left) after the plan's quorum formed,
+        so the plan cannot commit; None if there is none. The training thread asks before it
+        rebuilds its ring: the eviction may have come while an older plan was current."""
+        with self._evicted_lock:
+            evicted = list(self._evicted.items())
+        for replica_id, quorum_id in evicted:
+            if replica_id != self._config.replica_id and _holds(plan, replica_id, quorum_id):
+                return replica_id
+        return None
 
     def _on_quorum(self, event: MembershipEvent, plan: StepPlan | None) -> None:
         epoch = self._ring.epoch
@@ -113,3 +130,10 @@ class RingWatch:
 
     def _context(self, **fields: object) -> dict[str, object]:
         return {"replica_id": self._config.replica_id, "rank": self._rank, **fields}
+
+
+def _holds(plan: StepPlan, replica_id: str, evicted_at: int) -> bool:
+    """Whether `plan`'s ring holds the incarnation of `replica_id` evicted when `evicted_at`
+    was the latest quorum id: a quorum formed after the eviction has a larger id (its
+    membership changed) and holds a new incarnation, if any."""
+    return replica_id in plan.ring_replicas and plan.quorum_id <= evicted_at

@@ -108,11 +108,13 @@ def test_overlapping_failures_stall_the_survivors_no_longer_than_a_lone_one(
         # timeout would have dropped the victim anyway (the ~0.1 s figure is bench.recovery's).
         assert failure["detection_s"] < JOIN_TIMEOUT_S, failure
         assert failure["survivor_stall_s"] is not None, failure
-    # Waiting for a restarting replica cost every overlapping failure the join timeout (2 s);
-    # now the typical one costs a step. The median, not the max: a survivor caught rebuilding
-    # its ring for a quorum the others already left still waits once (a known defect).
+    # Waiting for a restarting replica cost every overlapping failure the join timeout (2 s),
+    # and so did a survivor rebuilding its ring for a quorum whose member had just been evicted
+    # (its left neighbour never came; the others waited for it in the next round). Now the
+    # typical failure costs a step, and none comes near the join timeout.
     stalls = sorted(f["survivor_stall_s"] for f in failures)
     assert stalls[len(stalls) // 2] < JOIN_TIMEOUT_S / 4, failures
+    assert stalls[-1] < JOIN_TIMEOUT_S, failures
 
 
 def test_peer_dying_mid_exchange_retries_without_recompute(

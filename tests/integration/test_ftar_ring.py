@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fthsdp.worker.ftar import (
     FatalFtarError,
+    FtarAbortedError,
     FtarConfig,
     FtarEpochMismatchError,
     FtarError,
@@ -156,6 +157,23 @@ def test_epoch_mismatch_is_recoverable() -> None:
         for w in exchange([a, b], x):
             w.wait(0)
         assert torch.equal(x[0][0], torch.full((10,), 2.0))
+
+
+def test_an_epoch_aborted_before_its_reconfigure_fails_it_at_once() -> None:
+    """The watch learnt that a member of epoch 4 is gone before this rank began rebuilding
+    its ring for it: the rebuild fails at once (aborted), instead of waiting out the connect
+    timeout for a neighbour that never comes (the 5 s FtarTimeoutError); newer epochs work."""
+    with ring_set(2) as (a, b):
+        a.abort("r1 evicted", epoch=4)
+        with pytest.raises(FtarAbortedError, match="epoch 3 was aborted"):
+            a.reconfigure([a.address, b.address], 0, 3)
+        with pytest.raises(FtarAbortedError, match="epoch 4 was aborted"):
+            a.reconfigure([a.address, b.address], 0, 4)
+        reconfigure_all([a, b], epoch=5)
+        x = [[torch.full((4,), 1.0)], [torch.full((4,), 5.0)]]
+        for w in exchange([a, b], x):
+            w.wait(0)
+        assert torch.equal(x[0][0], torch.full((4,), 3.0))
 
 
 def test_stale_epoch_handshake_is_refused() -> None:

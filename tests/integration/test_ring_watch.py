@@ -10,10 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from fthsdp.services.quorum.client import MembershipEvent, QuorumClient, RankEndpoint
 from fthsdp.services.quorum.server import QuorumServerThread
 from fthsdp.worker.config import ManagerConfig
-from fthsdp.worker.ftar import FtarConfig, FtarRing
+from fthsdp.worker.ftar import FtarAbortedError, FtarConfig, FtarRing
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.ring_watch import RingWatch
 from tests.integration.test_ftar_support import wait_for
@@ -35,6 +37,18 @@ def _config(address: str, token: str, tmp_path: Path, replica_id: str = "r1") ->
         checkpoint_url="http://127.0.0.1:8080",
         shm_dir=str(tmp_path),
         token=token,
+    )
+
+
+def _plan(quorum_id: int, replicas: tuple[str, ...]) -> StepPlan:
+    return StepPlan(
+        quorum_id=quorum_id,
+        max_step=0,
+        ring=tuple(f"127.0.0.1:{29500 + i}" for i in range(len(replicas))),
+        ring_replicas=replicas,
+        healthy=replicas,
+        sources=(),
+        serve=False,
     )
 
 
@@ -171,6 +185,71 @@ def test_a_quorum_that_includes_this_replica_or_is_not_newer_leaves_its_ring_alo
             MembershipEvent(kind="quorum", replica_id=None, quorum_id=6, reason="", members=("r0",))
         )
         assert ring.broken
+    finally:
+        watch.close()
+        ring.close()
+
+
+def test_an_eviction_dooms_every_plan_of_its_quorum_that_holds_the_replica(
+    tmp_path: Path,
+) -> None:
+    """Overlapping failures: r0 is evicted while this rank still holds the plan of quorum 5,
+    but quorum 6 (formed just before, with r0) is on its way. Its ring can never commit, so
+    the rank must not rebuild it and wait for r0; a later quorum (a new incarnation of r0,
+    if any) and a quorum without r0 are fine."""
+    current = _plan(5, ("r0", "r1"))
+    ring = FtarRing(FtarConfig(auth_key=b"k" * 32))
+    watch = RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=lambda: current,
+        stop=threading.Event(),
+        rank=0,
+    )
+    try:
+        assert watch.gone_from(_plan(6, ("r0", "r1"))) is None
+        watch._handle(
+            MembershipEvent(kind="evicted", replica_id="r0", quorum_id=6, reason="", incarnation=1)
+        )
+        assert watch.gone_from(_plan(6, ("r0", "r1"))) == "r0"
+        assert watch.gone_from(current) == "r0"
+        assert watch.gone_from(_plan(7, ("r0", "r1"))) is None
+        assert watch.gone_from(_plan(6, ("r1", "r2"))) is None
+        # Its own replica's events never doom its plans (a teardown has its own path).
+        watch._handle(
+            MembershipEvent(kind="left", replica_id="r1", quorum_id=8, reason="", incarnation=1)
+        )
+        assert watch.gone_from(_plan(8, ("r1", "r2"))) is None
+        # The current plan's epoch stays aborted: its rebuild, if not started yet, fails too.
+        with pytest.raises(FtarAbortedError, match="epoch 5 was aborted"):
+            ring.reconfigure([ring.address], 0, 5)
+        ring.reconfigure([ring.address], 0, 7)
+        assert not ring.broken
+    finally:
+        watch.close()
+        ring.close()
+
+
+def test_an_eviction_before_the_current_plan_formed_leaves_its_ring_alone(
+    tmp_path: Path,
+) -> None:
+    """Quorum 6 formed after r0's old incarnation was evicted (at quorum 5): it holds r0's new
+    incarnation, and the stale event must not abort it."""
+    ring, _ = _ring_at(6, "r1")
+    plan = _plan(6, ("r0", "r1"))
+    watch = RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=lambda: plan,
+        stop=threading.Event(),
+        rank=0,
+    )
+    try:
+        watch._handle(
+            MembershipEvent(kind="evicted", replica_id="r0", quorum_id=5, reason="", incarnation=1)
+        )
+        assert not ring.broken
+        assert watch.gone_from(plan) is None
     finally:
         watch.close()
         ring.close()

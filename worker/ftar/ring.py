@@ -115,6 +115,7 @@ class FtarRing(Reconfigurer, RingSteps):
         self._parked = []
         self._graveyard = []
         self._gen = 0
+        self._dead_epoch = -1
         self._halted = FtarAbortedError("ring not configured yet")
         self._admitting = False
         self._fatal = None
@@ -209,6 +210,8 @@ class FtarRing(Reconfigurer, RingSteps):
         self._drain(deadline)
         with self._lock:
             self._check_usable()
+            if epoch <= self._dead_epoch:
+                raise FtarAbortedError(f"epoch {epoch} was aborted: a member of it is gone")
             gen = self._gen
             kept = self._install(topo)
         try:
@@ -265,14 +268,19 @@ class FtarRing(Reconfigurer, RingSteps):
             self._work_q.put(item)
         return work
 
-    def abort(self, reason: str = "aborted") -> None:
+    def abort(self, reason: str = "aborted", *, epoch: int | None = None) -> None:
         """Fail in-flight and queued work (FtarAbortedError) and unblock every wait now.
 
         Thread-safe and idempotent. The ring stays unusable until the next ``reconfigure``.
+        With ``epoch``, that epoch and every older one stay aborted: a ``reconfigure`` to one
+        of them that has not started yet fails at once instead of waiting for a member that
+        is gone (the caller knows one is).
         """
         with self._lock:
             if self._closed:
                 return
+            if epoch is not None:
+                self._dead_epoch = max(self._dead_epoch, epoch)
             self._gen += 1
             self._halted = FtarAbortedError(reason)
             self._admitting = False

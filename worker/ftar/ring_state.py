@@ -100,6 +100,9 @@ class RingState:
     _gen: int
     """Bumped by every abort and close: work and waits of an older generation give up."""
     _halted: RecoverableFtarError | None
+    _dead_epoch: int
+    """Epochs up to this one can no longer commit (a member was evicted): ``reconfigure`` to
+    one of them fails at once, even when the abort that said so came before it started."""
     _admitting: bool
     """Whether a HELLO of the current epoch is admitted: from ``_install`` on, until the
     epoch fails (see :mod:`worker.ftar.ring`)."""
