@@ -10,7 +10,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from fthsdp.deploy import status_cmd
+from fthsdp.deploy import simulate_cli, status_cmd
 from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
 from fthsdp.deploy.up_cli import add_up_parser, run_up_command
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     _demo_parser(sub)
     add_up_parser(sub)
     status_cmd.add_parser(sub)
+    simulate_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:  # a first look: what there is to run
         parser.print_help()
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_up_command(args)
         if args.command == "status":
             return status_cmd.run(args, sys.stdout)
+        if args.command == "simulate":
+            return simulate_cli.run(args, sys.stdout)
         return _run_demo(args)
     except ValueError as exc:
         parser.error(str(exc))
