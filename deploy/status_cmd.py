@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from fthsdp.services.common.tokens import load_token
 from fthsdp.services.health.client_http import HealthClient
-from fthsdp.services.health.client_types import HealthError
+from fthsdp.services.health.domain import HealthError
 
 DEFAULT_URL = "http://127.0.0.1:7461"
 

@@ -50,14 +50,14 @@ from fthsdp.services.health.api_models import (
     Replicas,
 )
 from fthsdp.services.health.client_codec import incident_to_json
-from fthsdp.services.health.client_types import (
+from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.domain import (
     MAX_CLOCK_VALUE,
     HealthError,
     HealthUnavailableError,
     InvalidReportError,
     NotFoundError,
 )
-from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.service import CentralEngine

@@ -34,7 +34,7 @@ from fthsdp.protos import health_pb2_grpc as pb_grpc
 from fthsdp.services.common.process_ref import this_process
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import RankRecord, add_rank_record
-from fthsdp.services.health.client_types import (
+from fthsdp.services.health.domain import (
     MAX_BATCH_RECORDS,
     MAX_MESSAGE_BYTES,
     HealthError,

@@ -15,7 +15,7 @@ from typing import Any
 
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.services.common.process_ref import MAX_PID
-from fthsdp.services.health.client_types import (
+from fthsdp.services.health.domain import (
     MAX_BATCH_RECORDS,
     MAX_EVIDENCE_BYTES,
     MAX_NODE_RANKS,

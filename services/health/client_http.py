@@ -1,6 +1,6 @@
 """`HealthClient`: a blocking reader of the central health service's HTTP API (for tooling such
 as `fthsdp status`). It hides HTTP: callers get plain JSON-shaped dicts and the typed errors of
-`client_types` (`HealthTimeoutError` is a TimeoutError, `HealthUnavailableError` a
+`domain` (`HealthTimeoutError` is a TimeoutError, `HealthUnavailableError` a
 ConnectionError)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, cast
 import httpx
 
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health.client_types import (
+from fthsdp.services.health.domain import (
     ERROR_WIRE,
     HealthError,
     HealthTimeoutError,

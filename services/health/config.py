@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Literal
 
 from fthsdp.services.common.parse import MAX_PORT, host_port
-from fthsdp.services.health.client_types import MAX_BATCH_RECORDS, MAX_NAME_CHARS
+from fthsdp.services.health.domain import MAX_BATCH_RECORDS, MAX_NAME_CHARS
 
 FailureAction = Literal["kill", "report"]
 FAILURE_ACTIONS: tuple[FailureAction, ...] = ("kill", "report")

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Literal
 
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health.client_types import UpstreamError
+from fthsdp.services.health.domain import UpstreamError
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.quorum.client import (
     AsyncQuorumClient,

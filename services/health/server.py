@@ -24,7 +24,7 @@ from fthsdp.services.common.errors import ERROR_CODE_KEY, grpc_failure
 from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import ReportBatch, batch_from_pb
-from fthsdp.services.health.client_types import (
+from fthsdp.services.health.domain import (
     MAX_MESSAGE_BYTES,
     HealthError,
     HealthUnavailableError,

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol, cast
 import redis.asyncio as aioredis
 
 from fthsdp.services.health.client_codec import incident_from_json, incident_to_json
-from fthsdp.services.health.client_types import InvalidReportError
+from fthsdp.services.health.domain import InvalidReportError
 from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,

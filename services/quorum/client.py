@@ -29,7 +29,8 @@ from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client_failover import Failover, parse_addresses
 from fthsdp.services.quorum.client_retry import CallRetry
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.client_watch import AsyncWatchStream, WatchStream, translate
+from fthsdp.services.quorum.domain import (
     AuthError,
     EventKind,
     InternalError,
@@ -50,7 +51,6 @@ from fthsdp.services.quorum.client_types import (
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from fthsdp.services.quorum.client_watch import AsyncWatchStream, WatchStream, translate
 
 __all__ = [
     "AsyncQuorumClient",

@@ -1,5 +1,5 @@
 """Wire mapping of the quorum service: domain objects <-> `fthsdp.v1` messages (errors travel by
-the classes' own codes: `client_types.ERROR_WIRE`). One module for both directions, so the
+the classes' own codes: `domain.ERROR_WIRE`). One module for both directions, so the
 server's encoding and the clients' decoding cannot drift apart (a `client*` module, so the worker
 may import it)."""
 
@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
 from fthsdp.protos import quorum_pb2 as pb
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.domain import (
     EventKind,
     InternalError,
     Member,

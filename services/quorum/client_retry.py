@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fthsdp.services.quorum.client_failover import Failover
-from fthsdp.services.quorum.client_types import QuorumError, QuorumTimeoutError
+from fthsdp.services.quorum.domain import QuorumError, QuorumTimeoutError
 
 
 @dataclass(frozen=True, slots=True)

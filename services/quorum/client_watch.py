@@ -11,7 +11,7 @@ import grpc
 
 from fthsdp.services.common.errors import code_in
 from fthsdp.services.quorum import client_codec as codec
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.domain import (
     ERROR_WIRE,
     MembershipEvent,
     QuorumError,
@@ -20,7 +20,7 @@ from fthsdp.services.quorum.client_types import (
 
 
 def translate(err: grpc.RpcError) -> QuorumError:
-    """The typed error a failed call stands for (`client_types.ERROR_WIRE`)."""
+    """The typed error a failed call stands for (`domain.ERROR_WIRE`)."""
     call = cast(grpc.Call, err)
     code = code_in(cast(Any, call.trailing_metadata()))
     return cast(QuorumError, ERROR_WIRE.from_grpc(call.code(), call.details() or "", code))

@@ -23,7 +23,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fthsdp.services.quorum import core
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
+from fthsdp.services.quorum.domain import (
     EventKind,
     MembershipEvent,
     MembershipTooLargeError,
@@ -36,8 +38,6 @@ from fthsdp.services.quorum.client_types import (
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from fthsdp.services.quorum.config import QuorumConfig
-from fthsdp.services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
 from fthsdp.services.quorum.errors import (
     NotLeaderError,
     ShuttingDownError,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from fthsdp.services.common.parse import MAX_STEP, host_port
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.domain import (
     InvalidRequestError,
     Member,
     Quorum,
@@ -29,7 +30,6 @@ from fthsdp.services.quorum.client_types import (
     StaleIncarnationError,
     UnknownReplicaError,
 )
-from fthsdp.services.quorum.config import QuorumConfig
 
 MAX_ID_CHARS = 128
 MAX_WORLD_SIZE = 4096

@@ -1,15 +1,16 @@
 """The quorum service's error hierarchy, rooted in `QuorumError`.
 
-The classes are defined in `client_types` so that the worker, which may import only a service's
-client modules, catches the very same classes the server raises; this module is the server-side
-name for them. Each class names its code and statuses (`services.common.errors`); the server-only
-ones below arrive at clients as what their status says: unavailable, ask another instance."""
+The classes are defined in `domain` so that the worker, which may import only a service's
+client modules and its domain, catches the very same classes the server raises; this module is the
+server-side name for them. Each class names its code and statuses (`services.common.errors`); the
+server-only ones below arrive at clients as what their status says: unavailable, ask another
+instance."""
 
 from __future__ import annotations
 
 import grpc
 
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.domain import (
     AuthError,
     InternalError,
     InvalidRequestError,

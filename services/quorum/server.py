@@ -28,12 +28,12 @@ from fthsdp.services.common.errors import ERROR_CODE_KEY, grpc_failure
 from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
-from fthsdp.services.quorum.client_types import (
-    QuorumError,
-)
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
 from fthsdp.services.quorum.core import Formation
+from fthsdp.services.quorum.domain import (
+    QuorumError,
+)
 from fthsdp.services.quorum.election import CoordinatorSlot
 from fthsdp.services.quorum.metrics import QuorumMetrics
 from fthsdp.services.quorum.store import QuorumStore

@@ -21,8 +21,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from fthsdp.services.quorum.client_types import RankEndpoint
 from fthsdp.services.quorum.core import QuorumRecord, Registration
+from fthsdp.services.quorum.domain import RankEndpoint
 from fthsdp.services.quorum.errors import FencedError
 
 DEFAULT_PREFIX = "fthsdp:quorum"

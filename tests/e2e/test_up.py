@@ -16,7 +16,7 @@ import pytest
 
 from fthsdp.services.common.tokens import load_token
 from fthsdp.services.quorum.client import QuorumClient
-from fthsdp.services.quorum.client_types import RankEndpoint
+from fthsdp.services.quorum.domain import RankEndpoint
 from tests.e2e.up_support import Up, wait_for
 from tests.redis_support import redis_binary
 

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.services.health.client import TelemetryClient
 from fthsdp.services.health.client_http import HealthClient
-from fthsdp.services.health.client_types import AuthError, InvalidReportError
 from fthsdp.services.health.detectors.config import DetectorConfig
+from fthsdp.services.health.domain import AuthError, InvalidReportError
 from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
 from tests.integration.conftest import QuorumServerFactory, eventually
 from tests.integration.health_support import (

@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from fthsdp.bench.quorum_failover import QuorumProcess
 from fthsdp.services.quorum.client import AsyncQuorumClient, QuorumClient
 from fthsdp.services.quorum.client_failover import Failover, parse_addresses
-from fthsdp.services.quorum.client_types import QuorumUnavailableError, RankEndpoint
 from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.domain import QuorumUnavailableError, RankEndpoint
 from fthsdp.services.quorum.lease import RedisLease
 from fthsdp.services.quorum.server import QuorumServer
 from tests.integration.conftest import eventually

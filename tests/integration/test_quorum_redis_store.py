@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import redis.asyncio as aioredis
 
-from fthsdp.services.quorum.client_types import RankEndpoint
 from fthsdp.services.quorum.core import QuorumRecord, Registration
+from fthsdp.services.quorum.domain import RankEndpoint
 from fthsdp.services.quorum.errors import FencedError
 from fthsdp.services.quorum.lease import RedisLease
 from fthsdp.services.quorum.store import InMemoryStore, QuorumStore

@@ -8,8 +8,8 @@ import pytest
 
 from fthsdp.services.checkpoint import client_errors as checkpoint
 from fthsdp.services.common import errors
-from fthsdp.services.health import client_types as health
-from fthsdp.services.quorum import client_types as quorum
+from fthsdp.services.health import domain as health
+from fthsdp.services.quorum import domain as quorum
 
 WIRES = {
     "quorum": quorum.ERROR_WIRE,

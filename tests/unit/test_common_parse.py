@@ -35,12 +35,12 @@ def test_only_ascii_digits_are_a_number() -> None:
 def test_every_service_takes_the_same_largest_step() -> None:
     """The quorum service took steps up to 2**63 - 1 that checkpoint and health then refused."""
     from fthsdp.services.checkpoint import client_manifest
-    from fthsdp.services.health import client_types
+    from fthsdp.services.health import domain
     from fthsdp.services.quorum import core
 
     checks: list[tuple[Callable[[int], int], type[Exception]]] = [
         (core.check_step, core.InvalidRequestError),
-        (client_types.check_step, client_types.InvalidReportError),
+        (domain.check_step, domain.InvalidReportError),
         (client_manifest.check_step, client_manifest.InvalidArgumentError),
     ]
     for check, invalid in checks:

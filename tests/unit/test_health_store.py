@@ -16,7 +16,7 @@ from fthsdp.services.health.client_codec import (
     incident_to_json,
     restamp,
 )
-from fthsdp.services.health.client_types import InvalidReportError
+from fthsdp.services.health.domain import InvalidReportError
 from fthsdp.services.health.store import InMemoryTelemetryStore
 from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId, StepRecord
 

@@ -39,11 +39,14 @@ def _modules(package: str) -> list[Path]:
 
 
 def _is_client(module: str) -> bool:
-    """A service's client module, or services.common (shared helpers that hold no service)."""
+    """A service's client modules or its domain (the objects and errors its clients and servers
+    share), or services.common (shared helpers that hold no service)."""
     parts = module.split(".")
     if len(parts) >= 2 and parts[:2] == ["services", "common"]:
         return True
-    return len(parts) >= 3 and parts[0] == "services" and parts[2].startswith("client")
+    if len(parts) < 3 or parts[0] != "services":
+        return False
+    return parts[2].startswith("client") or parts[2] == "domain"
 
 
 @pytest.mark.parametrize("service", TORCH_FREE)
@@ -118,3 +121,5 @@ def test_the_checker_sees_violations(tmp_path: Path) -> None:
     assert "services.quorum.server.QuorumServer" in names
     assert not _is_client("services.quorum.server.QuorumServer")
     assert _is_client("services.quorum.client.QuorumClient")
+    assert _is_client("services.quorum.domain.Quorum")
+    assert not _is_client("services.quorum.core.Registration")

@@ -12,7 +12,7 @@ import pytest
 from fthsdp.services.quorum.client import AsyncQuorumClient
 from fthsdp.services.quorum.client_failover import Failover
 from fthsdp.services.quorum.client_retry import CallRetry
-from fthsdp.services.quorum.client_types import QuorumTimeoutError, QuorumUnavailableError
+from fthsdp.services.quorum.domain import QuorumTimeoutError, QuorumUnavailableError
 
 DELAY = 0.25
 

@@ -12,7 +12,9 @@ from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.services.common.errors import AuthError as CommonAuthError
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.__main__ import build_parser, resolve_config
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.core import assign_sources
+from fthsdp.services.quorum.domain import (
     ERROR_WIRE,
     AuthError,
     InternalError,
@@ -24,8 +26,6 @@ from fthsdp.services.quorum.client_types import (
     StaleIncarnationError,
     UnknownReplicaError,
 )
-from fthsdp.services.quorum.config import QuorumConfig
-from fthsdp.services.quorum.core import assign_sources
 from fthsdp.services.quorum.errors import NotLeaderError
 from fthsdp.services.quorum.server import status_for
 

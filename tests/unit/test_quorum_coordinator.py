@@ -9,16 +9,16 @@ from datetime import timedelta
 
 import pytest
 
-from fthsdp.services.quorum.client_types import (
+from fthsdp.services.quorum.config import QuorumConfig
+from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, Subscription
+from fthsdp.services.quorum.core import Formation, QuorumRecord
+from fthsdp.services.quorum.domain import (
     RankEndpoint,
     StaleIncarnationError,
     SupersededRequestError,
     UnknownReplicaError,
     WorldSizeMismatchError,
 )
-from fthsdp.services.quorum.config import QuorumConfig
-from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, Subscription
-from fthsdp.services.quorum.core import Formation, QuorumRecord
 from fthsdp.services.quorum.errors import ShuttingDownError, StoreUnavailableError
 from fthsdp.services.quorum.store import InMemoryStore
 

@@ -8,12 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fthsdp.services.quorum.client_types import (
-    InvalidRequestError,
-    RankEndpoint,
-    StaleIncarnationError,
-    UnknownReplicaError,
-)
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.core import (
     Ask,
@@ -26,6 +20,12 @@ from fthsdp.services.quorum.core import (
     decide,
     expired,
     form,
+)
+from fthsdp.services.quorum.domain import (
+    InvalidRequestError,
+    RankEndpoint,
+    StaleIncarnationError,
+    UnknownReplicaError,
 )
 
 HB = 1.0

@@ -1,7 +1,7 @@
 """The quorum service's domain objects and errors, shared by the server, the core and the clients.
 
-They live in a `client*` module because the worker may import only the client modules of a service
-(DESIGN.md import rules); the server and core import them from here so there is one definition."""
+One definition for all of them: the worker may import a service's client modules and its `domain`
+(DESIGN.md import rules, enforced by tests/unit/test_import_rules.py), never its server or core."""
 
 from __future__ import annotations
 
