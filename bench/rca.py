@@ -12,7 +12,7 @@ clock).
     the target here: <= 1 s at 100K ranks.
 (2) Ingest: records/s into HealthCore over the healthy steps of each size (the table above);
     then over the real wire (bench.wire): K client processes send `Report` batches of B step and
-    collective records with the bearer token to a central HealthNode for a fixed time; counted
+    collective records with the bearer token to a central HealthProcess for a fixed time; counted
     what the service acknowledged, with p50/p99 batch latency, next to the same batches fed to
     HealthCore in-process (directly, and decoded from protobuf first), as a ratio.
 (3) False alarms on the benign variable-length workload (step time varies ~5x with Σl², no
@@ -133,7 +133,7 @@ def print_ingest(g: dict[str, Any], rca_rate: float | None) -> None:
     print(f"\n{head:<58} {'records/s':>10} {'batches/s':>10} {'p50':>8} {'p99':>8} {'ratio':>6}")
     rows = [
         (
-            f"gRPC Report -> central HealthNode, K={g['clients']} clients",
+            f"gRPC Report -> central HealthProcess, K={g['clients']} clients",
             g["records_per_s"],
             g["batches_per_s"],
             f"{g['latency_p50_s'] * 1000:.1f}ms",
@@ -158,7 +158,7 @@ def print_ingest(g: dict[str, Any], rca_rate: float | None) -> None:
         f"failed batches: {g['failed_batches']}; incidents: {g['incidents']})"
     )
     print(
-        "service: HealthNode in a thread of this process (own event loop); clients: spawned "
+        "service: HealthProcess in a thread of this process (own event loop); clients: spawned "
         "processes, one batch in flight each, streams encoded before the clock starts"
     )
     if rca_rate is not None:

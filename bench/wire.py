@@ -1,6 +1,6 @@
 """Telemetry ingest of the central health service over the real wire, next to HealthCore alone.
 
-The service: a central `HealthNode` (in-memory store, its evaluate loop running, no HTTP) started
+The service: a central `HealthProcess` (in-memory store, its evaluate loop running, no HTTP) started
 on port 0 in a thread of the benchmark process, on that thread's own event loop. The main thread
 only waits meanwhile, so the service has this process's GIL to itself; a child process would cost
 one more interpreter on a 2-core machine for nothing.
@@ -44,7 +44,7 @@ from fthsdp.services.health.client_codec import batch_from_pb
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.core import HealthCore
 from fthsdp.services.health.detectors.config import DetectorConfig
-from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.process import HealthProcess
 from fthsdp.services.health.telemetry import CollectiveRecord, StepRecord
 
 REPORT = "/fthsdp.v1.HealthService/Report"
@@ -162,7 +162,7 @@ def in_process(batch: int, records: int) -> dict[str, Any]:
 
 
 class ServiceThread:
-    """A central HealthNode on its own event loop in a thread; `start()` returns its address."""
+    """A central HealthProcess on its own event loop in a thread; `start()` returns its address."""
 
     def __init__(self, token: Token) -> None:
         self._token = token
@@ -170,7 +170,7 @@ class ServiceThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self.node: HealthNode | None = None
+        self.node: HealthProcess | None = None
         self._thread = threading.Thread(target=self._run, name="fthsdp-bench-health", daemon=True)
 
     def start(self) -> str:
@@ -195,7 +195,7 @@ class ServiceThread:
         self._loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
         config = HealthConfig(port=0, http_port=None, shutdown_grace=timedelta(seconds=1))
-        node = HealthNode(config, self._token)
+        node = HealthProcess(config, self._token)
         await node.start()
         self.node = node
         self._ready.set()
@@ -344,7 +344,7 @@ def _summary(
     latencies = sorted(x for r in results for x in r["latencies"])
     return {
         **_spec_dict(spec),
-        "service": "central HealthNode, thread of the benchmark process (own event loop)",
+        "service": "central HealthProcess, thread of the benchmark process (own event loop)",
         "window_s": window,
         "records": records,
         "batches": batches,

@@ -1,6 +1,8 @@
 """The health service: ranks' heartbeats and step telemetry in, root-cause verdicts out.
 
-A node agent per host (`agent`) detects fail-stops of its own ranks and forwards the rest to the
-central engine (`service`, its detectors in `detectors/`), which names hangs, slow ranks,
-fail-slow replicas and silent data corruption, evicts through the quorum service, and serves
-the HTTP API and the dashboard (`app`). Modules named `client*` are what a rank may import."""
+Modules by role (the same roles as the other services): `core` (pure detection state), `central`
+(the central engine: feeds `core`, runs the detectors in `detectors/`, stores incidents, applies
+the policies: evicts through the quorum service), `agent` (the node agent: finds its own ranks'
+fail-stops, forwards the rest), `server` (the gRPC ingest wire) and `app` (the HTTP wire: API and
+dashboard), `process` (one embeddable process, central or agent, assembled from those), `store`,
+`config`, `__main__`. `client*` and `domain` are what a rank may import."""

@@ -28,7 +28,7 @@ from fthsdp.services.common.signals import shutdown_signal
 from fthsdp.services.common.tokens import Token, load_token
 from fthsdp.services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
 from fthsdp.services.health.detectors.config import DetectorConfig
-from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.process import HealthProcess
 from fthsdp.services.health.server import SERVICE_NAME
 
 log = logging.getLogger("fthsdp.services.health")
@@ -143,7 +143,7 @@ async def serve(
     out: Any = None,
 ) -> None:
     """Runs until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
-    node = HealthNode(config, token, detectors=detectors)
+    node = HealthProcess(config, token, detectors=detectors)
     stop = shutdown_signal()
     await node.start()
     print(_banner(node), file=out or sys.stdout, flush=True)
@@ -153,7 +153,7 @@ async def serve(
         await node.stop()
 
 
-def _banner(node: HealthNode) -> str:
+def _banner(node: HealthProcess) -> str:
     http = f"{node.http_url}/dashboard" if node.http_url else "http off"
     return (
         f"fthsdp-health listening on {node.grpc_address} and {http} "

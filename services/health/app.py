@@ -49,6 +49,7 @@ from fthsdp.services.health.api_models import (
     Records,
     Replicas,
 )
+from fthsdp.services.health.central import CentralEngine
 from fthsdp.services.health.client_codec import incident_to_json
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.domain import (
@@ -60,7 +61,6 @@ from fthsdp.services.health.domain import (
 )
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import QuorumReporter
-from fthsdp.services.health.service import CentralEngine
 from fthsdp.services.health.store import RECORD_KINDS, RecordKind
 from fthsdp.services.health.telemetry import IncidentKind
 

@@ -3,7 +3,7 @@ interceptor, grpc.health.v1 and reflection; embeddable as `IngestServer`.
 
 The handler only decodes and validates a batch (`client_codec.batch_from_pb`, which also rebases
 the sender's times onto this host's clock) and hands it to an `IngestSink`: the central engine
-(`service.py`) or the node agent (`agent.py`). Both modes serve the same API, so a rank reports
+(`central.py`) or the node agent (`agent.py`). Both modes serve the same API, so a rank reports
 to either without knowing which it talks to."""
 
 from __future__ import annotations

@@ -14,24 +14,24 @@ from fthsdp.protos import health_pb2 as pb
 from fthsdp.protos import health_pb2_grpc as pb_grpc
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
-from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.process import HealthProcess
 from fthsdp.services.health.store import TelemetryStore
 
-NodeFactory = Callable[..., Awaitable[HealthNode]]
+NodeFactory = Callable[..., Awaitable[HealthProcess]]
 
 
 @asynccontextmanager
 async def health_nodes(token: str) -> AsyncIterator[NodeFactory]:
     """Starts HealthNodes on free ports (HealthConfig fields as keyword overrides, plus
     `detectors=` and `store=`); stops them all on exit."""
-    nodes: list[HealthNode] = []
+    nodes: list[HealthProcess] = []
 
     async def make(
         *,
         detectors: DetectorConfig | None = None,
         store: TelemetryStore | None = None,
         **overrides: Any,
-    ) -> HealthNode:
+    ) -> HealthProcess:
         fields: dict[str, Any] = {
             "port": 0,
             "http_port": 0,
@@ -39,7 +39,7 @@ async def health_nodes(token: str) -> AsyncIterator[NodeFactory]:
             "shutdown_grace": timedelta(milliseconds=200),
             **overrides,
         }
-        node = HealthNode(HealthConfig(**fields), token, detectors=detectors, store=store)
+        node = HealthProcess(HealthConfig(**fields), token, detectors=detectors, store=store)
         await node.start()
         nodes.append(node)
         return node

@@ -1,4 +1,4 @@
-"""bench.rca end to end in quick mode, over the real wire: a central HealthNode on port 0 in a
+"""bench.rca end to end in quick mode, over the real wire: a central HealthProcess on port 0 in a
 thread, K spawned client processes sending `Report` batches with the bearer token. The service's
 own counter must agree with what the clients counted as acknowledged, every batch holds exactly B
 records, and the RCA and culprit sections of the same JSON document name what was injected. No

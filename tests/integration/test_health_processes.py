@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from fthsdp.services.health.detectors.config import DetectorConfig
-from fthsdp.services.health.runner import HealthNode
+from fthsdp.services.health.process import HealthProcess
 from fthsdp.services.health.telemetry import Incident, IncidentKind
 from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
 from tests.integration.conftest import QuorumServerFactory, eventually
@@ -60,7 +60,7 @@ async def spawn(token: str) -> AsyncIterator[Spawn]:
 
 async def _stack(
     make: object, detectors: DetectorConfig | None = None
-) -> tuple[HealthNode, HealthNode]:
+) -> tuple[HealthProcess, HealthProcess]:
     central = await make(detectors=detectors, http_port=None)  # type: ignore[operator]
     agent = await make(  # type: ignore[operator]
         mode="agent",
@@ -72,7 +72,7 @@ async def _stack(
 
 
 async def _incident_naming(
-    central: HealthNode, kinds: set[IncidentKind], replica_id: str, seconds: float = 20.0
+    central: HealthProcess, kinds: set[IncidentKind], replica_id: str, seconds: float = 20.0
 ) -> Incident:
     assert central.engine is not None
     store = central.engine.store
@@ -90,7 +90,7 @@ async def _incident_naming(
     return found[0]
 
 
-async def _all_running(agent: HealthNode, count: int) -> None:
+async def _all_running(agent: HealthProcess, count: int) -> None:
     """`count` ranks beat with progress, each again since all of them were first seen (so every
     rank was beating by every other's latest beat: one incarnation, as a teardown judges it)."""
     assert agent.agent is not None
@@ -160,7 +160,7 @@ async def test_slowed_steps_and_a_flipped_fingerprint_name_their_replicas(
 
 async def _teardown_stack(
     make: object, quorum: str, token: str, **agent: object
-) -> tuple[HealthNode, HealthNode, AsyncQuorumClient]:
+) -> tuple[HealthProcess, HealthProcess, AsyncQuorumClient]:
     """Central + agent reporting to the quorum service at `quorum`, where r0 and r1 joined."""
     central = await make(http_port=None, quorum=(quorum,))  # type: ignore[operator]
     node = await make(  # type: ignore[operator]

@@ -2,7 +2,7 @@
 the emulator hung (after the hang timeout, with every other rank waiting on it), the false-alarm
 rows count the replica-steps they ran, the tables render exact figures, and `main` wires its flags
 into the runs and writes the documented JSON. The real gRPC ingest run (spawned clients, a real
-HealthNode) is in tests/integration/test_bench_rca.py."""
+HealthProcess) is in tests/integration/test_bench_rca.py."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def _ingest_result(exhausted: int = 0) -> dict[str, Any]:
         "batch": 512,
         "duration_s": 1.0,
         "stream_records": 4096,
-        "service": "central HealthNode",
+        "service": "central HealthProcess",
         "window_s": 2.0,
         "records": 40_960,
         "batches": 80,
@@ -157,7 +157,7 @@ def test_the_ingest_table_renders_rates_latencies_and_ratios_to_the_direct_core(
     lines = capsys.readouterr().out.splitlines()
     rows = {line[:58].strip(): line[58:].split() for line in lines[2:5]}
     assert rows == {
-        "gRPC Report -> central HealthNode, K=2 clients": [
+        "gRPC Report -> central HealthProcess, K=2 clients": [
             "20,480", "40.0", "12.5ms", "250.0ms", "0.25x",
         ],
         "protobuf decode + HealthCore, in-process (no network)": [
@@ -218,7 +218,7 @@ def test_the_wire_summary_adds_up_the_clients() -> None:
         "batch": 4,
         "duration_s": 1.0,
         "stream_records": 64,
-        "service": "central HealthNode, thread of the benchmark process (own event loop)",
+        "service": "central HealthProcess, thread of the benchmark process (own event loop)",
         "window_s": 2.0,  # first start to last acknowledgement, over every client
         "records": 20,
         "batches": 5,

@@ -8,11 +8,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from fthsdp.services.health.central import AGENT_GRACE_S, CentralEngine
 from fthsdp.services.health.client_codec import NodeRank, NodeState, ReportBatch
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
-from fthsdp.services.health.service import AGENT_GRACE_S, CentralEngine
 from fthsdp.services.health.store import InMemoryTelemetryStore
 from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId
 

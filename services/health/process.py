@@ -1,4 +1,4 @@
-"""`HealthNode`: one health-service process (central or agent), assembled and embeddable.
+"""`HealthProcess`: one health-service process (central or agent), assembled and embeddable.
 
 `await start()` binds the gRPC ingest server and the HTTP server (port 0 allowed) and returns;
 `grpc_address` and `http_url` are then the real addresses. `await stop()` is idempotent: not ready
@@ -16,12 +16,12 @@ from fastapi import FastAPI
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.app import ApiContext, HttpServer, create_agent_app, create_central_app
+from fthsdp.services.health.central import CentralEngine
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.server import IngestServer, IngestSink
-from fthsdp.services.health.service import CentralEngine
 from fthsdp.services.health.store import InMemoryTelemetryStore, RedisTelemetryStore, TelemetryStore
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def make_store(config: HealthConfig) -> TelemetryStore:
     )
 
 
-class HealthNode:
+class HealthProcess:
     """A central health service or a node agent, with its gRPC and HTTP servers."""
 
     def __init__(
@@ -99,7 +99,7 @@ class HealthNode:
     async def start(self) -> None:
         """Starts everything; on failure, what was started is stopped again."""
         if self._started or self._stopping is not None:
-            raise RuntimeError("a HealthNode starts once")
+            raise RuntimeError("a HealthProcess starts once")
         try:
             if self.engine is not None:
                 await self.engine.start()
