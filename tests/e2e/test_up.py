@@ -44,14 +44,16 @@ def _client(address: str, token: str) -> QuorumClient:
     return QuorumClient(address, token, connect_timeout=timedelta(seconds=20))
 
 
-def _join_and_status(address: str, token: str, replica: str, checkpoint: str) -> None:
+def _join_and_status(address: str, token: str, replica: str, checkpoint: str) -> int:
+    """Joins `replica` and returns the answering leader's lease epoch."""
     with _client(address, token) as client:
         incarnation = client.join(
             replica, [RankEndpoint(ftar="127.0.0.1:1", checkpoint=checkpoint)]
         )
         assert incarnation >= 1
-        members = {m.replica_id for m in client.status().members}
-        assert replica in members
+        status = client.status()
+        assert replica in {m.replica_id for m in status.members}
+        return status.leader_epoch
 
 
 def test_up_serves_restarts_a_killed_service_and_stops_everything(
@@ -114,21 +116,25 @@ def test_up_with_redis_elects_a_new_leader_when_the_leader_dies(
 
     first = wait_for("a leader", leader)
     # The client gets both addresses and finds the leader itself.
-    _join_and_status(env["FTHSDP_QUORUM"], token, "r0", env["FTHSDP_CHECKPOINT_URL"])
+    first_epoch = _join_and_status(env["FTHSDP_QUORUM"], token, "r0", env["FTHSDP_CHECKPOINT_URL"])
+    assert first_epoch >= 1, "a leader elected through the Redis lease has an epoch"
 
     killed = up.pid(first)
     os.kill(killed, signal.SIGKILL)
 
     def new_leader() -> str | None:
-        # The standby, or the killed instance once `up` restarted it, may win the expired lease;
-        # what matters is that a live process leads again.
+        # Which live process wins the expired lease is a race by design (the standby, or the
+        # killed instance once `up` restarted it); what must hold whoever wins: one leader, not
+        # the dead process, under a newer lease epoch (the fencing token of I5).
         current = leader()
         return current if current and up.pid(current) != killed else None
 
     wait_for("a new leader", new_leader)
-    # I5: the membership lives in Redis, so the new leader knows r0 without a new join.
     with _client(env["FTHSDP_QUORUM"], token) as client:
-        assert "r0" in {m.replica_id for m in client.status().members}, "I5: membership lost"
+        status = client.status()
+    assert status.leader_epoch > first_epoch, "the new leader must hold a newer lease"
+    # I5: the membership lives in Redis, so the new leader knows r0 without a new join.
+    assert [m.replica_id for m in status.members] == ["r0"], "I5: membership lost"
     wait_for(f"{first} to be restarted", lambda: up.pid(first) != killed)
     admin = up.services()[first]["addresses"]["admin"]
     wait_for(f"{first} to be live again", lambda: _http_status(f"{admin}/livez") == 200)
