@@ -16,7 +16,6 @@ clip or unscale it; `optimizer.step()` commits the step and applies the user's o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import os
@@ -33,50 +32,28 @@ from fthsdp.worker.config import EXIT_TORN_DOWN, ManagerConfig, lr_factor
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.faults import FaultPlan
-from fthsdp.worker.ftar import FtarAbortedError, FtarConfig, FtarRing, RecoverableFtarError
-from fthsdp.worker.ftar.auth import ring_key
+from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
+from fthsdp.worker.manager_ring import ensure_ring, exchange_timeout, ring_config
 from fthsdp.worker.metrics import WorkerMetrics
 from fthsdp.worker.peer_state import PeerState, StateFetchError
-from fthsdp.worker.plan import (
-    StepPlan,
-)
+from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.plan_channel import PlanChannel
 from fthsdp.worker.position_records import PositionRecords
 from fthsdp.worker.quorum_link import QuorumLink
 from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.ring_watch import RingWatch
 from fthsdp.worker.state import ReplicatedState, Stateful, fingerprint
-from fthsdp.worker.step import AgreedStep, OverlapState, StepOutcome, TooManyFailedCommits
+from fthsdp.worker.step import (
+    WAITING_PHASES,
+    AgreedStep,
+    OverlapState,
+    StepOutcome,
+    TooManyFailedCommits,
+)
+from fthsdp.worker.step_meta import durable_due, read_state_meta, state_meta
 from fthsdp.worker.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
-
-WAITING_PHASES = ("quorum", "ring", "exchange", "fetch", "vote")
-"""The parts of a step spent waiting on others: the quorum, the peers connecting a new ring,
-the ring exchange, a catch-up fetch, and the replica's vote on the outcome (where a rank whose
-ring was done waits for its replica's ranks still in theirs, e.g. behind another replica's
-straggler)."""
-POSITIONS_META = "positions"
-STEP_META = "step"
-
-
-def _ring_config(config: ManagerConfig, ftar: FtarConfig | None) -> FtarConfig:
-    """The ring's settings under a Manager: its rings admit only ranks of this job (a key from
-    the token), and one exchange bound holds, `ManagerConfig.exchange_timeout`, so no ring
-    exchange runs on after the step gave up on it."""
-    ftar = ftar or FtarConfig()
-    bound = config.exchange_timeout
-    if ftar.exchange_timeout not in (bound, FtarConfig().exchange_timeout):
-        raise ValueError(
-            "the exchange bound is ManagerConfig.exchange_timeout; leave "
-            "FtarConfig.exchange_timeout unset under a Manager"
-        )
-    return dataclasses.replace(
-        ftar,
-        auth_key=ftar.auth_key or ring_key(config.token),
-        exchange_timeout=bound,
-        chunk_timeout=min(ftar.chunk_timeout, bound),
-    )
 
 
 class Manager:
@@ -137,7 +114,7 @@ class Manager:
             for index, params in enumerate(self._exchange.bucket_params)
             for param in params
         ]
-        self._ring = FtarRing(_ring_config(config, ftar_config))
+        self._ring = FtarRing(ring_config(config, ftar_config))
         self._peer_state = PeerState(config=config, rank=group.rank, world_size=group.world_size)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fthsdp-manager")
         self._stop = threading.Event()
@@ -391,14 +368,16 @@ class Manager:
             self._fetch_cancel = threading.Event()
             fetch = self._executor.submit(self._fetch, plan, self._fetch_cancel)
             self._faults.hit("fetch", self.step)
-        elif plan.serve or self._durable_due(plan):
-            self._peer_state.publish(self.step, self._state.tensors(), self._meta())
+        elif plan.serve or durable_due(self.config, self.step, plan):
+            self._peer_state.publish(
+                self.step, self._state.tensors(), state_meta(self.step, self.positions)
+            )
             self._faults.hit("serve", self.step)
         # Before t0: a straggler's lateness is its own time, not waiting on others (the
         # fail-slow detector subtracts the exchange phase as waiting).
         self._faults.slow(self.step)
         t0 = time.monotonic()
-        timeout = self._exchange_timeout(plan)
+        timeout = exchange_timeout(self.config, plan)
         error: BaseException | None
         # Numbered by the step the healthy members train, the same on every member of the ring
         # (a recovering member's own step is behind it).
@@ -448,7 +427,7 @@ class Manager:
         t0 = time.monotonic()
         if fetched is not None:
             self._load(*fetched, expected_step=plan.max_step)
-        if self._durable_due(plan) and not recovering:
+        if durable_due(self.config, self.step, plan) and not recovering:
             self._peer_state.request_durable(self.step)
         seconds["commit"] = time.monotonic() - t0
         return recovering
@@ -461,7 +440,7 @@ class Manager:
                 f"quorum max_step {plan.max_step} is behind this replica's {self.step}"
             )
         try:
-            self._ensure_ring(plan)
+            ensure_ring(self._ring, self._watch, plan, self.config.replica_id)
         except RecoverableFtarError as exc:
             return exc
         return None
@@ -564,69 +543,26 @@ class Manager:
     def _report_step(self, step: int, seconds: dict[str, float], quorum_id: int) -> None:
         started, self._step_started = self._step_started, None
         (tokens, sum_seq_len_sq), self._work = self._work, (0, 0)
-        if not self._telemetry.enabled or started is None:
-            return
-        self._telemetry.step(
-            step,
-            started_at=started,
-            committed=True,
-            # Waiting on others is not this replica's own speed: the fail-slow detector
-            # subtracts it.
-            exchange_s=sum(seconds[phase] for phase in WAITING_PHASES),
-            tokens=tokens,
-            sum_seq_len_sq=sum_seq_len_sq,
-        )
-        if self._telemetry.wants_fingerprint(step):
-            digest = fingerprint(self._state.core_tensors())
-            self._telemetry.fingerprint(step, digest, quorum_id)
-
-    # ---- ring ----------------------------------------------------------------------------
-
-    def _exchange_timeout(self, plan: StepPlan) -> float:
-        """The configured bound, or on a step trained without the quorum service twice the
-        grace plus half a second: every member that also went on without the service decided
-        within about one grace of the others, so a longer wait means some member is waiting on
-        the service instead (or is dead) and this step cannot commit."""
-        grace = self.config.control_plane_grace
-        if plan.fallback and grace is not None:
-            return 2 * grace.total_seconds() + 0.5
-        return self.config.exchange_timeout.total_seconds()
-
-    def _ensure_ring(self, plan: StepPlan) -> None:
-        if self._ring.epoch == plan.quorum_id and not self._ring.broken:
-            return
-        gone = self._watch.gone_from(plan)
-        if gone is not None:
-            raise FtarAbortedError(
-                f"ring member {gone} was evicted after quorum {plan.quorum_id} formed"
+        if started is not None:
+            self._telemetry.committed(
+                step,
+                started_at=started,
+                waiting_s=sum(seconds[phase] for phase in WAITING_PHASES),
+                tokens=tokens,
+                sum_seq_len_sq=sum_seq_len_sq,
+                quorum_id=quorum_id,
+                digest=lambda: fingerprint(self._state.core_tensors()),
             )
-        position = plan.ring_replicas.index(self.config.replica_id)
-        self._ring.reconfigure(list(plan.ring), position, plan.quorum_id)
 
     # ---- state -------------------------------------------------------------------------------
-
-    def _meta(self) -> dict[str, str | int]:
-        return {STEP_META: self.step, POSITIONS_META: self.positions.to_json()}
 
     def _load(
         self, tensors: dict[str, torch.Tensor], meta: dict[str, str | int], *, expected_step: int
     ) -> None:
-        step = int(meta[STEP_META])
-        if step != expected_step:
-            raise StateFetchError(f"fetched state is at step {step}, expected {expected_step}")
+        positions = read_state_meta(meta, expected_step=expected_step)
         self._state.load(tensors)
-        self.positions = DataPositions.from_json(str(meta[POSITIONS_META]))
-        self.step = step
-
-    def _durable_due(self, plan: StepPlan) -> bool:
-        every = self.config.durable_every_steps
-        return (
-            every > 0
-            and self.step > 0
-            and self.step % every == 0
-            and bool(plan.healthy)
-            and min(plan.healthy) == self.config.replica_id
-        )
+        self.positions = positions
+        self.step = expected_step
 
     def fingerprint(self) -> str:
         """sha256 of the replica's parameters and optimizer state (every rank's part, in rank

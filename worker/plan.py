@@ -112,7 +112,7 @@ def fallback_payload(plan: StepPlan | None, sent: bytes | None, step: int) -> by
     as before. A minority cut off from the others can therefore never commit on its own (I6),
     and no new epoch is ever made up locally (I3): membership changes still need the service.
     Members that reached the service meanwhile wait there for the ones that went on without it:
-    such a mixed step cannot commit, so its exchange is cut short (`Manager._exchange_timeout`)
+    such a mixed step cannot commit, so its exchange is cut short (`manager_ring.exchange_timeout`)
     and the replica asks the service like after any failed step."""
     if plan is None or sent is None:
         return None

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from fthsdp.worker.ftar import RecoverableFtarError
 from fthsdp.worker.plan import StepPlan
 
+WAITING_PHASES = ("quorum", "ring", "exchange", "fetch", "vote")
+"""The parts of a step spent waiting on others: the quorum, the peers connecting a new ring,
+the ring exchange, a catch-up fetch, and the replica's vote on the outcome (where a rank whose
+ring was done waits for its replica's ranks still in theirs, e.g. behind another replica's
+straggler)."""
+
 
 class TooManyFailedCommits(RuntimeError):
     """The replica failed to commit `max_failed_commits` times in a row; it stops."""

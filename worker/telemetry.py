@@ -11,6 +11,7 @@ Without a health address every call is a no-op."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client import TelemetryClient
@@ -50,17 +51,21 @@ class StepTelemetry:
         if self._client is not None:
             self._client.leave_collective(ended_at=time.time())
 
-    def step(
+    def committed(
         self,
         step: int,
         *,
         started_at: float,
-        committed: bool,
-        exchange_s: float,
+        waiting_s: float,
         tokens: int,
         sum_seq_len_sq: int,
+        quorum_id: int,
+        digest: Callable[[], str],
     ) -> None:
-        """One finished step (wall times from `time.time()`)."""
+        """A committed step (wall times from `time.time()`): its timing, with `waiting_s` spent
+        waiting on others (not this replica's own speed: the fail-slow detector subtracts it),
+        its workload, and on a fingerprint step the replica's state digest (`digest()`, called
+        only then: it hashes the whole state)."""
         if self._client is None:
             return
         duration = max(0.0, time.time() - started_at)
@@ -70,23 +75,11 @@ class StepTelemetry:
             duration_s=duration,
             tokens=tokens,
             sum_seq_len_sq=sum_seq_len_sq,
-            committed=committed,
-            exchange_wait_s=min(exchange_s, duration),
+            committed=True,
+            exchange_wait_s=min(waiting_s, duration),
         )
-
-    def wants_fingerprint(self, step: int) -> bool:
-        """Whether `step` is one whose state digest should be sent (rank 0 of each replica)."""
-        return (
-            self._client is not None
-            and self._rank == 0
-            and self._every > 0
-            and (step % self._every == 0)
-        )
-
-    def fingerprint(self, step: int, digest: str, quorum_id: int) -> None:
-        """The replica's state digest after committing `step` in quorum `quorum_id`."""
-        if self._client is not None:
-            self._client.fingerprint(step, digest, quorum_id=quorum_id)
+        if self._rank == 0 and self._every > 0 and step % self._every == 0:
+            self._client.fingerprint(step, digest(), quorum_id=quorum_id)
 
     def close(self) -> None:
         """Flushes briefly and stops (a clean exit: no incident)."""

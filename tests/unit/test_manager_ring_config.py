@@ -10,7 +10,7 @@ import pytest
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.ftar import FtarConfig
 from fthsdp.worker.ftar.auth import ring_key
-from fthsdp.worker.manager import _ring_config
+from fthsdp.worker.manager_ring import ring_config
 
 TOKEN = "t" * 32
 
@@ -29,18 +29,18 @@ def _config(exchange_timeout: timedelta = timedelta(seconds=30)) -> ManagerConfi
 
 
 def test_the_managers_bound_and_the_jobs_key_replace_the_rings_defaults() -> None:
-    ring = _ring_config(_config(), None)
+    ring = ring_config(_config(), None)
     assert ring.exchange_timeout == timedelta(seconds=30)
     assert ring.auth_key == ring_key(TOKEN)
 
 
 def test_a_short_bound_shortens_the_chunk_timeout_with_it() -> None:
-    ring = _ring_config(_config(timedelta(seconds=3)), FtarConfig())
+    ring = ring_config(_config(timedelta(seconds=3)), FtarConfig())
     assert ring.exchange_timeout == ring.chunk_timeout == timedelta(seconds=3)
 
 
 def test_a_second_exchange_bound_is_refused_and_an_own_key_kept() -> None:
     with pytest.raises(ValueError, match=r"ManagerConfig\.exchange_timeout"):
-        _ring_config(_config(), FtarConfig(exchange_timeout=timedelta(seconds=45)))
+        ring_config(_config(), FtarConfig(exchange_timeout=timedelta(seconds=45)))
     key = b"k" * 32
-    assert _ring_config(_config(), FtarConfig(auth_key=key)).auth_key == key
+    assert ring_config(_config(), FtarConfig(auth_key=key)).auth_key == key
