@@ -18,7 +18,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -43,80 +42,14 @@ from fthsdp.services.quorum.errors import (
     ShuttingDownError,
     StoreUnavailableError,
 )
+from fthsdp.services.quorum.events import EventHub, Subscription
 from fthsdp.services.quorum.metrics import QuorumMetrics
+from fthsdp.services.quorum.rounds import QuorumAsk, RoundTiming, Tally, Waiter
 from fthsdp.services.quorum.store import QuorumStore
 
 log = logging.getLogger(__name__)
 
 _TIMER_SLACK = 0.001  # fire just after a deadline, never just before it (no re-arm churn)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class QuorumAsk:
-    """A Quorum call as the coordinator sees it."""
-
-    replica_id: str
-    """The asking replica."""
-    incarnation: int
-    """Its incarnation."""
-    step: int
-    """The step it is about to train."""
-    commit_failed: bool = False
-    """Its previous attempt failed to commit."""
-    attempt_id: int = 0
-    """Client id of the logical call (0 = none); a retry with it gets the same answer."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RoundTiming:
-    """Server-side latency of one round."""
-
-    round: int
-    """Formation counter."""
-    participants: int
-    """How many replicas it answered."""
-    seconds: float
-    """From the round's last arrival (or the timer that formed it) to every participant answered."""
-
-
-class _Tally:
-    """Counts the participants of a formed round that still have to be answered."""
-
-    __slots__ = ("pending", "round", "size", "started")
-
-    def __init__(self, round_: int, started: float, size: int) -> None:
-        self.round = round_
-        self.started = started
-        self.size = size
-        self.pending = size
-
-
-class _Waiter:
-    __slots__ = ("arrived", "ask", "future", "tally")
-
-    def __init__(self, ask: QuorumAsk, future: asyncio.Future[Formation], arrived: float) -> None:
-        self.ask = ask
-        self.future = future
-        self.arrived = arrived
-        self.tally: _Tally | None = None
-
-
-class Subscription:
-    """One Watch stream's queue of events; `None` in the queue ends the stream."""
-
-    def __init__(self, size: int) -> None:
-        self.queue: asyncio.Queue[MembershipEvent | None] = asyncio.Queue(maxsize=size)
-        self.overflowed = False
-
-    def offer(self, event: MembershipEvent | None) -> None:
-        """Queues an event; a subscriber that fell `size` events behind is cut off."""
-        try:
-            self.queue.put_nowait(event)
-        except asyncio.QueueFull:
-            self.overflowed = True
-            while not self.queue.empty():
-                self.queue.get_nowait()
-            self.queue.put_nowait(None)
 
 
 class Coordinator:
@@ -137,9 +70,9 @@ class Coordinator:
         self._clock = clock
         self._wall = wall
         self._state = CoreState()
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, Waiter] = {}
         self._answered: dict[str, tuple[int, int, Formation]] = {}
-        self._subscribers: set[Subscription] = set()
+        self._events = EventHub(config.watch_queue_size)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -189,8 +122,7 @@ class Coordinator:
         for waiter in waiters:
             if not waiter.future.done():
                 waiter.future.set_exception(ShuttingDownError("the quorum service is stopping"))
-        for sub in list(self._subscribers):
-            sub.offer(None)
+        self._events.end_all()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=1.0)
 
@@ -245,7 +177,7 @@ class Coordinator:
             previous.future.set_exception(
                 SupersededRequestError(f"a newer Quorum call of {rid} replaced this one")
             )
-        waiter = _Waiter(ask, asyncio.get_running_loop().create_future(), now)
+        waiter = Waiter(ask, asyncio.get_running_loop().create_future(), now)
         self._waiters[rid] = waiter
         self._state.add_ask(
             Ask(
@@ -336,14 +268,11 @@ class Coordinator:
     def subscribe(self) -> Subscription:
         """A new event stream; its first event is a `snapshot` of the current membership."""
         self._ensure_open()
-        sub = Subscription(self._config.watch_queue_size)
-        sub.offer(self._event("snapshot", None, "current state"))
-        self._subscribers.add(sub)
-        return sub
+        return self._events.subscribe(self._event("snapshot", None, "current state"))
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Ends delivery to a stream."""
-        self._subscribers.discard(sub)
+        self._events.unsubscribe(sub)
 
     def poll(self) -> None:
         """Evicts expired replicas and re-evaluates the round (timers call it; tests too)."""
@@ -376,7 +305,7 @@ class Coordinator:
         new_epoch = formation.record.quorum_id != self._state.last_quorum_id
         self._state.apply(formation, now)
         self._cancel_timer()
-        tally = _Tally(formation.record.round, now, len(waiters))
+        tally = Tally(formation.record.round, now, len(waiters))
         for waiter in waiters:
             waiter.tally = tally
         self._metrics.rounds.labels(path=path).inc()
@@ -394,7 +323,7 @@ class Coordinator:
             )
         self._spawn(self._publish(formation, waiters, new_epoch))
 
-    async def _publish(self, formation: Formation, waiters: list[_Waiter], new_epoch: bool) -> None:
+    async def _publish(self, formation: Formation, waiters: list[Waiter], new_epoch: bool) -> None:
         """Persists the round, then answers. A new epoch is answered only once persisted (I3:
         never an id the store could lose); a round that keeps the epoch and the membership is
         answered even when the store is down (it decides nothing a later leader could
@@ -435,12 +364,12 @@ class Coordinator:
             self._emit("quorum", None, formation.quorum.reason, formation.quorum)
 
     @staticmethod
-    def _fail_waiters(waiters: list[_Waiter], error: BaseException) -> None:
+    def _fail_waiters(waiters: list[Waiter], error: BaseException) -> None:
         for waiter in waiters:
             if not waiter.future.done():
                 waiter.future.set_exception(error)
 
-    def _settle(self, waiter: _Waiter) -> None:
+    def _settle(self, waiter: Waiter) -> None:
         """After a Quorum call ends: drop it from the round if it never formed (cancelled RPC),
         and account the round's latency once its last participant is answered."""
         now = self._clock()
@@ -614,15 +543,12 @@ class Coordinator:
         incarnation: int | None = None,
         teardown: bool = False,
     ) -> None:
-        if not self._subscribers:
-            return
-        event = self._event(
-            kind, replica_id, reason, quorum, incarnation=incarnation, teardown=teardown
-        )
-        for sub in list(self._subscribers):
-            sub.offer(event)
-            if sub.overflowed:
-                self._subscribers.discard(sub)
+        if self._events.active:
+            self._events.publish(
+                self._event(
+                    kind, replica_id, reason, quorum, incarnation=incarnation, teardown=teardown
+                )
+            )
 
     def _persist(self, write: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         """Writes membership through to the store in order, off the caller's path."""

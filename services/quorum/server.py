@@ -29,13 +29,14 @@ from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.config import QuorumConfig
-from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, RoundTiming
+from fthsdp.services.quorum.coordinator import Coordinator
 from fthsdp.services.quorum.core import Formation
 from fthsdp.services.quorum.domain import (
     QuorumError,
 )
 from fthsdp.services.quorum.election import CoordinatorSlot
 from fthsdp.services.quorum.metrics import QuorumMetrics
+from fthsdp.services.quorum.rounds import QuorumAsk, RoundTiming
 from fthsdp.services.quorum.store import QuorumStore
 
 log = logging.getLogger(__name__)

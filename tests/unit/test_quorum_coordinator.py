@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from fthsdp.services.quorum.config import QuorumConfig
-from fthsdp.services.quorum.coordinator import Coordinator, QuorumAsk, Subscription
+from fthsdp.services.quorum.coordinator import Coordinator
 from fthsdp.services.quorum.core import Formation, QuorumRecord
 from fthsdp.services.quorum.domain import (
     RankEndpoint,
@@ -20,6 +20,8 @@ from fthsdp.services.quorum.domain import (
     WorldSizeMismatchError,
 )
 from fthsdp.services.quorum.errors import ShuttingDownError, StoreUnavailableError
+from fthsdp.services.quorum.events import Subscription
+from fthsdp.services.quorum.rounds import QuorumAsk
 from fthsdp.services.quorum.store import InMemoryStore
 
 RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")

@@ -1,0 +1,62 @@
+"""The quorum service's membership events fanned out to Watch streams: one bounded queue per
+stream, and a subscriber that falls behind is cut off rather than slowing the service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fthsdp.services.quorum.domain import MembershipEvent
+
+
+class Subscription:
+    """One Watch stream's queue of events; `None` in the queue ends the stream."""
+
+    def __init__(self, size: int) -> None:
+        self.queue: asyncio.Queue[MembershipEvent | None] = asyncio.Queue(maxsize=size)
+        self.overflowed = False
+
+    def offer(self, event: MembershipEvent | None) -> None:
+        """Queues an event; a subscriber that fell `size` events behind is cut off."""
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)
+
+
+class EventHub:
+    """The open Watch streams of one coordinator."""
+
+    def __init__(self, queue_size: int) -> None:
+        self._queue_size = queue_size
+        self._subscribers: set[Subscription] = set()
+
+    @property
+    def active(self) -> bool:
+        """Whether any stream is open (events are built only then)."""
+        return bool(self._subscribers)
+
+    def subscribe(self, snapshot: MembershipEvent) -> Subscription:
+        """A new stream whose first event is `snapshot`."""
+        sub = Subscription(self._queue_size)
+        sub.offer(snapshot)
+        self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Ends delivery to a stream."""
+        self._subscribers.discard(sub)
+
+    def publish(self, event: MembershipEvent) -> None:
+        """Delivers `event` to every stream; one that overflowed is dropped."""
+        for sub in list(self._subscribers):
+            sub.offer(event)
+            if sub.overflowed:
+                self._subscribers.discard(sub)
+
+    def end_all(self) -> None:
+        """Ends every stream (the service is stopping)."""
+        for sub in list(self._subscribers):
+            sub.offer(None)
