@@ -463,6 +463,14 @@ class JsonlTail:
         self.skipped: list[str] = []
         """'file:line: reason' for every line that could not be read."""
 
+    def skip_to_end(self) -> None:
+        """Starts reading at the file's current end: only events appended from now on."""
+        try:
+            self._offset = self.path.stat().st_size
+        except FileNotFoundError:
+            self._offset = 0
+        self._partial = b""
+
     def poll(self, *, final: bool = False) -> list[Event]:
         """Events completed since the last poll. With `final`, an unterminated last line is parsed
         too: the writer is gone, so no newline will ever come."""

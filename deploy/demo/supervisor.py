@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fthsdp.deploy.demo.events import (
+    CommitEvent,
     EventLog,
     ExitEvent,
     InjectEvent,
+    JsonlTail,
     LaunchEvent,
     RestartEvent,
     RollbackEvent,
@@ -44,6 +46,11 @@ GPU or NCCL call as the host sees it); slow: throttle every rank of a replica fo
 the (in-memory) quorum service; store: SIGKILL the redis-server (with Redis), which stays down
 for a while and then comes back; store-replica: that, and a whole replica SIGKILLed while the
 store is down."""
+
+REFILL_HOLD_S = 10.0
+"""Longest a takeover holds back the spare pool's refill. A spare warming up takes a core for
+seconds; started as the taken spares join, it would slow their catch-up on a small host, so the
+refill waits until the replica commits again (or this long, if it never does)."""
 
 SLOW_PERIOD_S = 12.0
 """How long `slow` throttles a replica: past the fail-slow detector's 5 s settle after a
@@ -254,6 +261,9 @@ class ReplicaSupervisor:
         self.spares = SparePool(spares, command.spare_argv(), self._env, self._logs)
         """Warm spare rank processes (empty with `spares=0`); `poll` keeps it full."""
         self._spares_shown = -1
+        self._takeovers: dict[str, tuple[JsonlTail, float]] = {}
+        """Replicas that took spares and have not committed since: their log from the takeover
+        on, and when their hold on the refill ends anyway (`REFILL_HOLD_S`)."""
         self.stopping = False
 
     def by_id(self, replica_id: str) -> Replica | None:
@@ -265,6 +275,10 @@ class ReplicaSupervisor:
         replica.starts += 1
         taken = self.spares.take(self.command.world_size) if replica.starts > 1 else None
         if taken is not None:
+            log_path = self.command.run_dir / "replicas" / f"{replica.replica_id}.jsonl"
+            tail = JsonlTail(log_path, strict=False)
+            tail.skip_to_end()
+            self._takeovers[replica.replica_id] = (tail, time.monotonic() + REFILL_HOLD_S)
             for rank, proc in enumerate(taken):
                 assign(proc, self.command.identity(replica, rank, port))
             replica.procs = taken
@@ -308,14 +322,17 @@ class ReplicaSupervisor:
         replica.procs = []
         self._on_failure(replica.replica_id, reason)
         if not self.stopping:
-            replica.restart_at = time.monotonic() + self._restart_delay
+            # Warm spares take over at once; fresh processes after the delay.
+            ready = self.spares.warm >= self.command.world_size
+            replica.restart_at = time.monotonic() + (0.0 if ready else self._restart_delay)
 
     def poll(self) -> None:
         """Reaps ended ranks; a dead rank takes its whole replica down; restarts when due;
         refills the spare pool."""
         now = time.monotonic()
         if not self.stopping and self.spares.size:
-            self.spares.refill()
+            if not self._refill_held(now):
+                self.spares.refill()
             warm = self.spares.warm
             if warm != self._spares_shown:
                 self._spares_shown = warm
@@ -335,6 +352,14 @@ class ReplicaSupervisor:
                 replica.procs = []
             if replica.restart_at is not None and now >= replica.restart_at and not self.stopping:
                 self.start(replica)
+
+    def _refill_held(self, now: float) -> bool:
+        """Whether a takeover still holds the refill back: its replica has not committed since
+        (nor has `REFILL_HOLD_S` passed)."""
+        for replica_id, (tail, deadline) in list(self._takeovers.items()):
+            if now >= deadline or any(isinstance(e, CommitEvent) for e in tail.poll()):
+                del self._takeovers[replica_id]
+        return bool(self._takeovers)
 
     def breakable(self, eligible: set[str] | None = None) -> list[Replica]:
         """Running replicas not hung nor throttled already (among `eligible` ids, if given)."""

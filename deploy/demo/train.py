@@ -174,6 +174,14 @@ def shard_replica(model: torch.nn.Module, group: ReplicaGroup) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def warm_up_optimizer() -> None:
+    """Pays the first optimizer's one-time cost before the rank checks in (torch sets up its
+    optimizer machinery lazily: about 0.4 s here, several times that on a loaded host), so that
+    it is part of neither a spare's takeover nor a restarted rank's first step."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    torch.optim.AdamW([param]).step()
+
+
 def _stop_at(stop_file: Path | None) -> int:
     if stop_file is None:
         return -1
@@ -190,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before the identity: what a spare does ahead of time (torch is imported already).
     dataset = CharDataset()
     model = build_model(TinyGPTConfig(vocab_size=dataset.vocab_size), seed=args.seed)
+    warm_up_optimizer()
     if args.spare:
         taken = _take_identity(argv)
         if taken is None:

@@ -65,3 +65,28 @@ def test_what_the_writer_writes_reads_back_the_same(tmp_path: Path) -> None:
 
 def test_an_event_written_without_a_time_is_stamped_now() -> None:
     assert ev.EndEvent().t > 1e9
+
+
+def test_a_tail_skipped_to_the_end_reads_only_what_is_appended_after(tmp_path: Path) -> None:
+    path = tmp_path / "r0.jsonl"
+    log = ev.EventLog(path)
+    log.write(EXAMPLES[0])
+    log.write(EXAMPLES[1])
+    tail = ev.JsonlTail(path)
+    tail.skip_to_end()
+    assert tail.poll() == []
+    log.write(EXAMPLES[2])
+    log.close()
+    assert tail.poll() == [EXAMPLES[2]]
+
+
+def test_a_tail_skipped_to_the_end_of_a_missing_file_reads_it_from_the_start(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r0.jsonl"
+    tail = ev.JsonlTail(path)
+    tail.skip_to_end()
+    log = ev.EventLog(path)
+    log.write(EXAMPLES[0])
+    log.close()
+    assert tail.poll() == [EXAMPLES[0]]
