@@ -16,9 +16,9 @@ clip or unscale it; `optimizer.step()` commits the step and applies the user's o
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.autograd import Variable
 
-from fthsdp.services.quorum.client import MembershipEvent, RankEndpoint
-from fthsdp.worker.config import EXIT_TORN_DOWN, ManagerConfig, lr_factor
+from fthsdp.services.quorum.client import RankEndpoint
+from fthsdp.worker.config import ManagerConfig, lr_factor
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.faults import FaultPlan
@@ -41,7 +41,7 @@ from fthsdp.worker.plan_channel import PlanChannel
 from fthsdp.worker.position_records import PositionRecords
 from fthsdp.worker.quorum_link import QuorumLink
 from fthsdp.worker.replica_group import ReplicaGroup
-from fthsdp.worker.ring_watch import RingWatch
+from fthsdp.worker.ring_watch import RingWatch, exit_for_restart
 from fthsdp.worker.state import ReplicatedState, Stateful, fingerprint
 from fthsdp.worker.step import (
     WAITING_PHASES,
@@ -154,7 +154,11 @@ class Manager:
             plan=lambda: self._plans.plan,
             stop=self._stop,
             rank=group.rank,
-            on_teardown=self._torn_down if config.exit_on_teardown else None,
+            on_teardown=(
+                functools.partial(exit_for_restart, group, self._context)
+                if config.exit_on_teardown
+                else None
+            ),
         )
         self._threads = [self._watch.thread]
         if self._link is not None:
@@ -165,19 +169,6 @@ class Manager:
             )
         for thread in self._threads:
             thread.start()
-
-    def _torn_down(self, event: MembershipEvent) -> None:
-        """The watch thread's answer to this replica's teardown: whatever the training thread
-        is blocked in (a collective with a dead or hung rank) ends with the process."""
-        log.error(
-            "replica torn down: exiting with %d for a restart",
-            EXIT_TORN_DOWN,
-            extra=self._context(reason=event.reason),
-        )
-        self.group.abort()
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(EXIT_TORN_DOWN)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -364,15 +355,13 @@ class Manager:
             return None
         recovering = self.step < plan.max_step
         fetch: Future[tuple[dict[str, torch.Tensor], dict[str, str | int]]] | None = None
+        sources_in = threading.Event()
         if recovering:
             self._fetch_cancel = threading.Event()
-            fetch = self._executor.submit(self._fetch, plan, self._fetch_cancel)
+            fetch = self._executor.submit(self._fetch, plan, self._fetch_cancel, sources_in)
             self._faults.hit("fetch", self.step)
-        elif plan.serve or durable_due(self.config, self.step, plan):
-            self._peer_state.publish(
-                self.step, self._state.tensors(), state_meta(self.step, self.positions)
-            )
-            self._faults.hit("serve", self.step)
+        elif overlap is None:  # with overlap, the hooks served before launching the exchange
+            self._serve(plan)
         # Before t0: a straggler's lateness is its own time, not waiting on others (the
         # fail-slow detector subtracts the exchange phase as waiting).
         self._faults.slow(self.step)
@@ -402,6 +391,9 @@ class Manager:
             self._fetch_cancel.set()
             fetch.cancel()
         elif fetch is not None:
+            # Every source entered this exchange, so it published (or failed to) before: a
+            # snapshot still missing will not come, and the fetch stops waiting for it.
+            sources_in.set()
             t0 = time.monotonic()
             try:
                 fetched = fetch.result()
@@ -455,18 +447,8 @@ class Manager:
         self.step += 1
         if self._records is not None:
             self._records.committed(self.step, self.positions)
-        seconds = synced.seconds
-        seconds["total"] = time.monotonic() - synced.began
-        outcome = StepOutcome(
-            step=committed,
-            quorum_id=plan.quorum_id,
-            healthy=plan.healthy,
-            recovered=synced.recovered,
-            trained=trained,
-            attempts=synced.attempt,
-            seconds=seconds,
-            without_control_plane=plan.fallback,
-        )
+        outcome = synced.outcome(committed, trained)
+        seconds = outcome.seconds
         self._last_outcome = outcome
         self._report_step(committed, seconds, plan.quorum_id)
         if self.metrics is not None:
@@ -525,6 +507,8 @@ class Manager:
         overlap.ring_s = time.monotonic() - t0
         if overlap.ring_error is not None:
             return
+        if self.step >= plan.max_step:
+            self._serve(plan)
         self._exchange.begin(
             self._ring,
             contribute=self.step >= plan.max_step,
@@ -533,12 +517,24 @@ class Manager:
         )
         overlap.launching = True
 
+    def _serve(self, plan: StepPlan) -> None:
+        """A healthy rank publishes its state for the plan's recovering peers (or a durable
+        checkpoint) before it enters the exchange, whatever the mode: a peer whose exchange
+        completed knows every source's publish is behind it."""
+        if plan.serve or durable_due(self.config, self.step, plan):
+            self._peer_state.publish(
+                self.step, self._state.tensors(), state_meta(self.step, self.positions)
+            )
+            self._faults.hit("serve", self.step)
+
     def _fetch(
-        self, plan: StepPlan, cancelled: threading.Event
+        self, plan: StepPlan, cancelled: threading.Event, sources_in: threading.Event
     ) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
         """Catch-up, off the training thread: the healthy replicas' state of `max_step`."""
         self._faults.delay("slow_fetch", self.step)
-        return self._peer_state.fetch_peer(plan.sources, plan.max_step, cancelled=cancelled)
+        return self._peer_state.fetch_peer(
+            plan.sources, plan.max_step, cancelled=cancelled, sources_in=sources_in
+        )
 
     def _report_step(self, step: int, seconds: dict[str, float], quorum_id: int) -> None:
         started, self._step_started = self._step_started, None

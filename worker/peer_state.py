@@ -52,6 +52,9 @@ class PeerState:
             shm_dir=config.shm_dir,
         )
         self._published: int | None = None
+        forgotten = self._publisher.forget_earlier()
+        if forgotten:
+            log.info("dropped %d snapshot(s) of an earlier process of this rank", forgotten)
 
     def publish(
         self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, str | int]
@@ -62,9 +65,8 @@ class PeerState:
         try:
             self._publisher.publish(step, tensors, meta)
         except ConflictError:
-            # An earlier process of this replica published this step (the sidecar outlives it).
-            # Replicas are deterministic, so it holds the same bytes; fetchers compare checksums
-            # across sources and would name a disagreeing one.
+            # An earlier attempt of this process registered this step and its answer was lost:
+            # the same bytes (earlier processes' snapshots were dropped at start).
             pass
         except (CheckpointError, TimeoutError) as exc:
             # Serving is best effort: the recovering peer's fetch fails and it retries on the
@@ -79,12 +81,16 @@ class PeerState:
         step: int,
         *,
         cancelled: threading.Event | None = None,
+        sources_in: threading.Event | None = None,
     ) -> State:
         """Fetches the healthy replicas' state of `step`, striped over `sources`.
 
         The sources publish when they see the same quorum, so a snapshot that is not there yet
-        is waited for (with backoff) until the fetch deadline, or until `cancelled` is set."""
+        is waited for (with backoff) until the fetch deadline, until `cancelled` is set, or, once
+        `sources_in` is set (every source entered the step's exchange, after its publish), until
+        one more look finds it missing: a publish that failed is not waited out."""
         cancelled = cancelled or threading.Event()
+        sources_in = sources_in or threading.Event()
         if not sources:
             raise StateFetchError("no healthy source assigned")
         deadline = time.monotonic() + self._config.fetch_timeout.total_seconds()
@@ -95,6 +101,7 @@ class PeerState:
             left = deadline - time.monotonic()
             if cancelled.is_set():
                 raise StateFetchError(f"fetching step {step} was cancelled")
+            final = sources_in.is_set()  # read before the look that may then be the last
             try:
                 fetched = fetch_snapshot(
                     targets,
@@ -107,7 +114,7 @@ class PeerState:
                 return fetched.tensors, fetched.meta
             except NotFoundError as exc:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or final:
                     raise StateFetchError(f"step {step} was never published: {exc}") from exc
                 cancelled.wait(min(next(waits), left))
             except (CheckpointError, TimeoutError) as exc:

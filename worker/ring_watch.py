@@ -8,13 +8,15 @@ this rank does not sit in a collective with the dead one until a timeout."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
 from fthsdp.services.quorum.client import MembershipEvent, QuorumClient, WatchStream
-from fthsdp.worker.config import ManagerConfig
+from fthsdp.worker.config import EXIT_TORN_DOWN, ManagerConfig
 from fthsdp.worker.ftar import FtarRing
 from fthsdp.worker.plan import StepPlan
+from fthsdp.worker.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +139,22 @@ def _holds(plan: StepPlan, replica_id: str, evicted_at: int) -> bool:
     was the latest quorum id: a quorum formed after the eviction has a larger id (its
     membership changed) and holds a new incarnation, if any."""
     return replica_id in plan.ring_replicas and plan.quorum_id <= evicted_at
+
+
+def exit_for_restart(
+    group: ReplicaGroup,
+    context: Callable[..., dict[str, object]],
+    event: MembershipEvent,
+) -> None:
+    """The Manager's `on_teardown` (with `ManagerConfig.exit_on_teardown`): whatever the training
+    thread is blocked in (a collective with a dead or hung rank) ends with the process, which
+    exits `EXIT_TORN_DOWN` for its process manager to restart it."""
+    log.error(
+        "replica torn down: exiting with %d for a restart",
+        EXIT_TORN_DOWN,
+        extra=context(reason=event.reason),
+    )
+    group.abort()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_TORN_DOWN)

@@ -3,6 +3,7 @@ through between backward and commit."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from fthsdp.worker.ftar import RecoverableFtarError
@@ -74,3 +75,17 @@ class AgreedStep:
     seconds: dict[str, float]
     began: float
     """Monotonic time the step's exchange phase began."""
+
+    def outcome(self, step: int, trained: dict[str, tuple[int, int]]) -> StepOutcome:
+        """What committing it as `step` did, its total time ending now."""
+        self.seconds["total"] = time.monotonic() - self.began
+        return StepOutcome(
+            step=step,
+            quorum_id=self.plan.quorum_id,
+            healthy=self.plan.healthy,
+            recovered=self.recovered,
+            trained=trained,
+            attempts=self.attempt,
+            seconds=self.seconds,
+            without_control_plane=self.plan.fallback,
+        )

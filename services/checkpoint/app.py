@@ -333,6 +333,11 @@ def _snapshot_routes(app: FastAPI, services: Services) -> None:
         answer = {"job": job, "replica": replica, "rank": rank, "step": step, "created": created}
         return JSONResponse(answer, status_code=201 if created else 200)
 
+    @app.delete("/v1/snapshots/{job}/{replica}/{rank}")
+    def forget_snapshots(job: Job, replica: Replica, rank: Rank) -> dict[str, int]:
+        """A new process of this rank starts its own history: earlier snapshots are dropped."""
+        return {"forgotten": registry.forget(*_ids(job, replica), rank)}
+
     @app.get("/v1/snapshots/{job}/{replica}/{rank}")
     def list_snapshot_steps(job: Job, replica: Replica, rank: Rank) -> dict[str, list[int]]:
         _ids(job, replica)

@@ -128,6 +128,16 @@ class SnapshotPublisher:
             path.unlink(missing_ok=True)
             raise
 
+    def forget_earlier(self) -> int:
+        """Drops the snapshots earlier processes of this rank left in the sidecar, which
+        outlives them; returns how many. Call it once per process, before the first `publish`:
+        a snapshot is immutable per step, and an earlier process's step may be of another
+        history (a job that went on from another replica, or from a durable checkpoint), which
+        a peer must never fetch as this one's."""
+        path = f"/v1/snapshots/{self.job}/{self.replica_id}/{self.rank}"
+        answer = call_json(self.base_url, self._token, "DELETE", path, timeout=self.timeout)
+        return int(answer["forgotten"])
+
     def _register(self, step: int, file: str, layout: Layout, meta: dict[str, str | int]) -> None:
         body = {
             "file": file,

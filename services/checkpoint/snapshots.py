@@ -228,6 +228,21 @@ class SnapshotRegistry:
                 )
         raise NotFoundError(f"no snapshot of step {step} for {job}/{replica}/rank {rank}")
 
+    def forget(self, job: str, replica: str, rank: int) -> int:
+        """Drops every snapshot of (job, replica, rank) and what was collected of it; returns how
+        many were dropped. A new process of that rank calls it before publishing: the sidecar
+        outlives processes, and an earlier one's snapshots may be of another history (a job that
+        went on from another replica's state, or from a durable checkpoint) under the same steps."""
+        key = (check_id("job", job), check_id("replica", replica), check_rank(rank))
+        with self._lock:
+            dropped = list(self._snapshots.pop(key, {}).values())
+            self._collected_upto.pop(key, None)
+            for snap in dropped:
+                self._owners.pop(snap.file_id, None)
+        for snap in dropped:
+            self._unlink(snap)
+        return len(dropped)
+
     def steps(self, job: str, replica: str, rank: int) -> list[int]:
         with self._lock:
             return sorted(self._snapshots.get((job, replica, rank), {}))

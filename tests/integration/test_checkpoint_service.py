@@ -149,6 +149,36 @@ def test_snapshot_retention_unlinks_old_files(sidecars: Start, token: str) -> No
     assert list(server.config.shm_dir.iterdir()) == []  # the sidecar unlinks what it owns
 
 
+def test_a_new_process_drops_its_predecessors_snapshots_and_starts_a_new_history(
+    sidecars: Start, token: str
+) -> None:
+    """The sidecar outlives a rank's process; the next process of that rank forgets what the
+    last one published (the same steps may come again from another history) and may publish
+    steps older than those the last one had collected."""
+    server = sidecars(retain_snapshots=2)
+    old = publisher(server, token)
+    for step in range(1, 5):
+        old.publish(step, {"x": torch.full((10,), float(step))}, {})
+    other = publisher(server, token, replica="r1")
+    other.publish(7, {"x": torch.zeros(10)}, {})
+    with httpx.Client(base_url=server.url) as http:  # the route wants the token like the rest
+        assert http.delete(f"/v1/snapshots/{JOB}/r0/0").status_code == 401
+    new = publisher(server, token)
+    assert new.forget_earlier() == 2  # steps 3 and 4 were retained
+    assert list_snapshots(server.url, token, job=JOB, replica="r0", rank=0) == []
+    assert list_snapshots(server.url, token, job=JOB, replica="r1", rank=0) == [7]
+    files = [p.name for p in server.config.shm_dir.iterdir()]
+    assert len(files) == 1 and "-r1-" in files[0], files  # r0's files were unlinked
+    new.publish(3, {"x": torch.full((10,), -3.0)}, {})  # no conflict with the old step 3
+    new.publish(1, {"x": torch.full((10,), -1.0)}, {})  # no longer "garbage-collected"
+    got = fetch_snapshot(
+        [Source(server.url, "r0")], job=JOB, rank=0, step=3, token=token, deadline=DEADLINE
+    )
+    assert torch.equal(got.tensors["x"], torch.full((10,), -3.0))
+    assert new.forget_earlier() == 2
+    assert new.forget_earlier() == 0
+
+
 def test_retention_deletes_only_files_the_sidecar_owns(sidecars: Start, token: str) -> None:
     """One file holds one snapshot, only a publisher's own file is adopted, and a name reused
     after adoption is not deleted by retention (issue: retention unlinked a file no publisher
