@@ -24,6 +24,7 @@ apt_install() {
 apt_install redis-server /usr/bin/redis-server  # the Redis store, standby quorum, tests
 if [ "${1:-}" = test ]; then
   apt_install chromium /usr/bin/chromium        # the dashboard test drives it headless
+  apt_install iproute2 /usr/sbin/ip             # `ip netns`, veth, tc: the multi-host topology
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
