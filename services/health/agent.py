@@ -59,6 +59,9 @@ from fthsdp.services.health.telemetry import (
 log = logging.getLogger(__name__)
 
 _MAX_HELD_INCIDENTS = 1000
+_MAX_TRACKED_REPLICAS = 4096
+"""Replicas whose joins the agent remembers (the oldest goes first): a bound, whatever the job."""
+_JOINS_KEPT = 4
 _MAX_BACKOFF_S = 5.0
 
 
@@ -87,6 +90,10 @@ class NodeAgent:
         arrival order is the real order, where beat times rebased per batch may swap)."""
         self._heard: dict[RankId, float] = {}
         """When each local rank's latest beat arrived (this agent's clock)."""
+        self._joins: dict[str, deque[tuple[float, int]]] = {}
+        """Per replica, its latest incarnations' joins as the event stream told them (this
+        agent's clock): which incarnation a rank silent since a given time belonged to. Cleared
+        when a new stream starts: a join made while none was up is unknown."""
         self._records: deque[Any] = deque()
         self._incidents: deque[Incident] = deque(maxlen=_MAX_HELD_INCIDENTS)
         self._dropped = 0
@@ -224,11 +231,14 @@ class NodeAgent:
         }
         if self._quorum is not None:
             reason = f"fail_stop: {incident.summary}"
+            # Only the incarnation the silent rank belonged to: a warm spare may have taken over
+            # as the next one before the heartbeat timeout ran out, and must not go with it.
             outcome = await self._quorum.report_failure(
                 incident.replica_id,
                 reason,
                 reporter=f"fthsdp-health-agent:{self._config.node}",
                 teardown=self._kills,
+                incarnation=self._incarnation_at(incident.replica_id, last_heard),
             )
             last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
             if self._kills:
@@ -249,11 +259,29 @@ class NodeAgent:
 
     async def _teardown_loop(self) -> None:
         assert self._quorum is not None
-        async for replica_id in self._quorum.teardowns():
+        async for replica_id in self._quorum.teardowns(
+            on_join=self._joined, on_resync=self._joins.clear
+        ):
             try:
                 await self.teardown(replica_id)
             except Exception:
                 log.exception("teardown of %s failed", replica_id)
+
+    def _joined(self, replica_id: str, incarnation: int) -> None:
+        joins = self._joins.get(replica_id)
+        if joins is None:
+            if len(self._joins) >= _MAX_TRACKED_REPLICAS:
+                self._joins.pop(next(iter(self._joins)))
+            joins = self._joins[replica_id] = deque(maxlen=_JOINS_KEPT)
+        joins.append((self._clock(), incarnation))
+
+    def _incarnation_at(self, replica_id: str, heard: float | None) -> int | None:
+        """The incarnation of `replica_id` that had joined by `heard` (a silent rank's last beat:
+        its process belonged to that one), or None if this agent did not see it join."""
+        if heard is None:
+            return None
+        joined = [inc for at, inc in self._joins.get(replica_id, ()) if at <= heard]
+        return joined[-1] if joined else None
 
     async def teardown(self, replica_id: str, *, started_by: float | None = None) -> list[int]:
         """Kills the local processes of `replica_id` (SIGTERM, then SIGKILL after the grace)

@@ -45,6 +45,9 @@ _SLOW = frozenset({IncidentKind.FAIL_SLOW, IncidentKind.SLOW_RANK})
 AGENT_GRACE_S = 2.0
 """How long a fail-stop found here waits for the live node agent's own incident of it: the
 agent's quorum report (bounded by its deadline) plus one forward, with room for a loaded host."""
+AGENT_TEARDOWN_MEMORY_S = 30.0
+"""How long an agent's teardown of a replica on its node explains that replica's silent ranks
+there: far beyond `AGENT_GRACE_S`, far below the time a replica runs between two failures."""
 _NODE_CADENCES = 3.0
 """A node agent is alive while its last node state is at most this many of its forward
 intervals old (and at least `_NODE_LIVE_MIN_S`)."""
@@ -95,6 +98,11 @@ class CentralEngine:
         self._nodes: dict[str, NodeView] = {}
         self._agent_failstops: set[RankId] = set()
         self._held: dict[RankId, tuple[float, Incident]] = {}
+        self._agent_teardowns: dict[tuple[str, str], float] = {}
+        """(replica, node) pairs an agent tore down after a fail-stop it found, and when: the
+        silence of that replica's other ranks on that node is explained, and reported by the
+        agent for the right incarnation. A report from here would name no incarnation, and
+        evict a warm spare that took over as the next one within the grace."""
         """Fail-stops found here on a live agent's node -> (when they are acted on, incident)."""
         self._task: asyncio.Task[None] | None = None
         self._actions: set[asyncio.Task[None]] = set()
@@ -186,6 +194,8 @@ class CentralEngine:
             if incident.kind == IncidentKind.FAIL_STOP and incident.rank is not None:
                 rank = RankId(replica_id=incident.replica_id, rank=incident.rank)
                 self._agent_failstops.add(rank)
+                if incident.evidence.get("action") == "kill" and incident.host is not None:
+                    self._agent_teardowns[(incident.replica_id, incident.host)] = self._clock()
             self._metrics.incidents.labels(kind=incident.kind.value).inc()
         await self._guard_store(self.store.add_incidents(incidents))
         for incident in incidents:
@@ -309,8 +319,14 @@ class CentralEngine:
         """Held fail-stops that are news after all: no agent incident came within the grace,
         or the agent itself fell silent; those the agent reported are dropped."""
         released = []
+        self._agent_teardowns = {
+            key: at
+            for key, at in self._agent_teardowns.items()
+            if now - at < AGENT_TEARDOWN_MEMORY_S
+        }
         for rank, (due, incident) in list(self._held.items()):
-            if rank in self._agent_failstops:
+            torn = (incident.replica_id, incident.host or "") in self._agent_teardowns
+            if rank in self._agent_failstops or torn:
                 del self._held[rank]
             elif now >= due or not self._agent_alive(incident.host, now):
                 del self._held[rank]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
 from typing import Literal
 
@@ -52,23 +52,31 @@ class QuorumReporter:
         self._addresses = tuple(addresses)
         self._metrics = metrics
         self._dedupe = dedupe.total_seconds()
-        self._recent: dict[str, float] = {}
+        self._recent: dict[tuple[str, int | None], float] = {}
         self.watching = False
         """Whether `teardowns` has an event stream up (its snapshot arrived)."""
 
     async def report_failure(
-        self, replica_id: str, reason: str, *, reporter: str, teardown: bool = False
+        self,
+        replica_id: str,
+        reason: str,
+        *,
+        reporter: str,
+        teardown: bool = False,
+        incarnation: int | None = None,
     ) -> Outcome:
         """Evicts `replica_id` (asking for its teardown: `teardown`); never raises (the outcome
-        says what happened)."""
+        says what happened). With `incarnation`, only that incarnation: a report about a dead
+        process whose replica is back as a newer one already is stale ("already_gone")."""
         now = time.monotonic()
         self._recent = {r: t for r, t in self._recent.items() if now - t < self._dedupe}
-        if replica_id in self._recent:
+        key = (replica_id, incarnation)
+        if key in self._recent:
             return "deduplicated"
-        self._recent[replica_id] = now
-        outcome = await self._report(replica_id, reason[:1024], reporter, teardown)
+        self._recent[key] = now
+        outcome = await self._report(replica_id, reason[:1024], reporter, teardown, incarnation)
         if outcome == "failed":
-            self._recent.pop(replica_id, None)  # a later detection may try again
+            self._recent.pop(key, None)  # a later detection may try again
         if self._metrics is not None:
             self._metrics.quorum_reports.labels(outcome=outcome).inc()
         log.info(
@@ -79,11 +87,17 @@ class QuorumReporter:
         )
         return outcome
 
-    async def _report(self, replica_id: str, reason: str, reporter: str, teardown: bool) -> Outcome:
+    async def _report(
+        self, replica_id: str, reason: str, reporter: str, teardown: bool, incarnation: int | None
+    ) -> Outcome:
         for address, client in zip(self._addresses, self._clients, strict=True):
             try:
                 evicted = await client.report_failure(
-                    replica_id, reason, reporter=reporter, teardown=teardown
+                    replica_id,
+                    reason,
+                    reporter=reporter,
+                    teardown=teardown,
+                    incarnation=incarnation,
                 )
             except UnknownReplicaError:
                 return "unknown_replica"
@@ -106,17 +120,34 @@ class QuorumReporter:
                 last = exc
         raise UpstreamError(f"the quorum service did not answer: {last}")
 
-    async def teardowns(self, retry_s: float = 0.2) -> AsyncIterator[str]:
+    async def teardowns(
+        self,
+        retry_s: float = 0.2,
+        *,
+        on_join: Callable[[str, int], None] | None = None,
+        on_resync: Callable[[], None] | None = None,
+    ) -> AsyncIterator[str]:
         """Ids of replicas evicted with a teardown, from the quorum service's event stream;
-        follows the addresses in turn while one is down, and never ends by itself."""
+        follows the addresses in turn while one is down, and never ends by itself. `on_join`
+        hears every (replica, incarnation) that joins meanwhile; `on_resync` every new stream's
+        start, after which joins made while no stream was up are unknown."""
         turn = 0
         while True:
             client = self._clients[turn % len(self._clients)]
             try:
                 async for event in client.watch():
                     self.watching = True
-                    if event.kind == "evicted" and event.teardown and event.replica_id:
+                    if event.kind == "snapshot" and on_resync is not None:
+                        on_resync()
+                    elif event.kind == "evicted" and event.teardown and event.replica_id:
                         yield event.replica_id
+                    elif (
+                        event.kind == "joined"
+                        and on_join is not None
+                        and event.replica_id
+                        and event.incarnation is not None
+                    ):
+                        on_join(event.replica_id, event.incarnation)
             except (QuorumError, TimeoutError) as exc:
                 log.debug("quorum event stream ended: %s", exc)
                 turn += 1

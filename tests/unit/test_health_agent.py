@@ -25,12 +25,20 @@ class FakeQuorum:
         self.outcome = outcome
         self.reports: list[tuple[str, str]] = []
         self.teardowns: list[bool] = []
+        self.incarnations: list[int | None] = []
 
     async def report_failure(
-        self, replica_id: str, reason: str, *, reporter: str, teardown: bool = False
+        self,
+        replica_id: str,
+        reason: str,
+        *,
+        reporter: str,
+        teardown: bool = False,
+        incarnation: int | None = None,
     ) -> str:
         self.reports.append((replica_id, reporter))
         self.teardowns.append(teardown)
+        self.incarnations.append(incarnation)
         return self.outcome
 
 
@@ -198,3 +206,38 @@ async def test_a_silent_ranks_teardown_takes_its_siblings_by_arrival_not_by_beat
         assert time.monotonic() < deadline, "the silent rank was never killed"
         await asyncio.sleep(0.001)
     assert sorted(ref.pid for ref in killed[0]) == [100, 101]
+
+
+async def _reported(agent: NodeAgent, quorum: FakeQuorum) -> None:
+    assert len(agent.check_once()) == 1
+    deadline = time.monotonic() + 5
+    while not quorum.reports:  # the report runs as a task on this loop
+        assert time.monotonic() < deadline, "the silent rank was never reported"
+        await asyncio.sleep(0.001)
+
+
+async def test_a_silent_rank_is_reported_as_the_incarnation_it_belonged_to() -> None:
+    """r1's incarnation 1 joined, its rank beat, then fell silent; incarnation 2 (a warm spare
+    taking over) joined before the heartbeat timeout ran out. The report names incarnation 1,
+    so the quorum service does not evict the replica's new incarnation for the old one's death."""
+    agent, quorum, clock = _agent()
+    agent._joined("r1", 1)
+    clock.now += 0.1
+    await agent.ingest(_beats(clock, "r1"))
+    clock.now += 0.2
+    agent._joined("r1", 2)
+    clock.now += 0.4  # silent for 0.6 s > 0.5 s
+    await _reported(agent, quorum)
+    assert quorum.incarnations == [1]
+
+
+async def test_without_a_join_seen_since_the_stream_started_the_report_names_none() -> None:
+    """A join this agent did not see (it happened while its event stream was down) leaves the
+    incarnation unknown: the report evicts whatever incarnation is current, as before."""
+    agent, quorum, clock = _agent()
+    agent._joined("r1", 1)
+    agent._joins.clear()  # what a new stream's snapshot does (on_resync)
+    await agent.ingest(_beats(clock, "r1"))
+    clock.now += 0.6
+    await _reported(agent, quorum)
+    assert quorum.incarnations == [None]

@@ -58,15 +58,15 @@ def _node_state(*ranks: RankId) -> ReportBatch:
     )
 
 
-def _agent_failstop(quorum: str) -> ReportBatch:
+def _agent_failstop(quorum: str, *, rank: int = 0, action: str = "report") -> ReportBatch:
     incident = Incident(
         kind=IncidentKind.FAIL_STOP,
         replica_id="r1",
-        rank=0,
+        rank=rank,
         host="node-a",
         detected_at=0.0,
-        summary="rank 0 of replica r1 stopped heartbeating",
-        evidence={"found_by": "agent:node-a", "quorum": quorum},
+        summary=f"rank {rank} of replica r1 stopped heartbeating",
+        evidence={"found_by": "agent:node-a", "quorum": quorum, "action": action},
     )
     return ReportBatch(source="agent:node-a", host="node-a", incidents=(incident,))
 
@@ -112,6 +112,22 @@ async def test_central_verdict_is_acted_on_when_the_live_agent_says_nothing() ->
     assert await _stored(engine) == [("fail_stop", "r1", "central")]
     await _drain(engine)
     assert quorum.reports == [("r1", True)]
+
+
+async def test_a_replica_its_agent_tore_down_is_not_evicted_again_from_here() -> None:
+    """Rank 1 of r1 dies; its agent reports it (for its incarnation) and tears r1 down on its
+    node, which ends rank 0 too. The core finds rank 0 silent as well; that verdict is dropped,
+    though no agent incident names rank 0: a report from here names no incarnation, and would
+    evict the warm spare that took over as r1's next incarnation meanwhile."""
+    clock, quorum = Clock(), RecordingQuorum()
+    engine = _engine(clock, quorum)
+    await _run(engine, clock, 1.0, R0, R1)
+    await engine.ingest(_agent_failstop("evicted", rank=1, action="kill"))
+    await _run(engine, clock, TIMEOUT_S + 0.3, R0)  # rank 0 of r1 is silent now
+    await _run(engine, clock, AGENT_GRACE_S + 0.5, R0)
+    await _drain(engine)
+    assert quorum.reports == []
+    assert await _stored(engine) == [("fail_stop", "r1", "agent:node-a")]
 
 
 async def test_a_silent_node_is_no_reason_to_wait() -> None:
