@@ -76,15 +76,24 @@ def _ledger(log: RunLog) -> _Ledger:
     announced = [e.t for e in log.of_type(RollbackEvent)]
     rollbacks = sorted(announced + _unannounced_rollbacks(log, commits))
     generation = {id(c): bisect.bisect_right(rollbacks, c.t) for c in commits}
-    latest: dict[int, int] = {}
+    lowest: dict[int, int] = {}
+    """Per generation, the lowest step committed in it: where the job went back to."""
     for c in commits:
-        latest[c.step] = max(latest.get(c.step, 0), generation[id(c)])
-    stale = [c for c in commits if generation[id(c)] < latest[c.step]]
+        g = generation[id(c)]
+        lowest[g] = min(lowest.get(g, c.step), c.step)
+
+    def thrown_away(c: CommitEvent) -> bool:
+        # A later generation went back to this step or before it: this commit is history no
+        # more, even at steps the later generation has not reached again (yet).
+        g = generation[id(c)]
+        return any(step <= c.step for k, step in lowest.items() if k > g)
+
+    stale = [c for c in commits if thrown_away(c)]
     ledger.rolled_back = len({(c.step, r) for c in stale for r in c.trained})
     witness: dict[tuple[int, str], str] = {}
     contributors: dict[int, tuple[str, frozenset[str]]] = {}
     for c in commits:
-        if generation[id(c)] < latest[c.step]:
+        if thrown_away(c):
             continue
         seen = contributors.setdefault(c.step, (c.replica, frozenset(c.trained)))
         if seen[1] != frozenset(c.trained):
