@@ -76,10 +76,13 @@ def test_striped_fetch_survives_a_source_sigkilled_mid_fetch(
     assert victim.proc.wait(10) == -signal.SIGKILL
     assert_bitwise_equal(fetched.tensors, state)
     killed = fetched.sources[2]
-    assert killed.failures >= 1  # whether it is also marked dead depends on timing
-    assert sum(s.bytes for s in fetched.sources[:2]) > 0
+    # Whether the fetcher asked the dead source again (a failure it counts, perhaps marking it
+    # dead) depends on timing: on a loaded host the healthy two may have served every chunk
+    # left by then. What must hold: it served part of the state before it died, and the
+    # healthy sources served the rest.
     total = sum(t.numel() * t.element_size() for t in state.values())
-    assert killed.bytes < total
+    assert CHUNK <= killed.bytes < total  # the kill comes after 2 chunks went through it
+    assert sum(s.bytes for s in fetched.sources[:2]) >= total - killed.bytes
 
 
 def _flip_byte(shm_dir: object, at: int) -> None:
