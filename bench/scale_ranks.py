@@ -1,0 +1,249 @@
+"""The emulated ranks of a `bench.scale` client process: each rank's Watch stream (as the
+worker's RingWatch: an eviction of a member of its ring aborts its exchange, its own replica's
+teardown ends it), its plan from its leader's broadcast (its ring neighbours), and the replicas'
+state the leaders share with their ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from fthsdp.bench.emulation import replica_name
+from fthsdp.bench.scale_agents import Plans
+from fthsdp.bench.scale_model import Shape, endpoint, ring_neighbours
+from fthsdp.services.quorum import client_codec as codec
+from fthsdp.services.quorum.client import (
+    CHANNEL_OPTIONS,
+    AsyncQuorumClient,
+    MembershipEvent,
+    Quorum,
+    QuorumError,
+)
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    """How the clients emulate a job (defaults: the worker's and agent's own settings)."""
+
+    streams_per_channel: int = 64
+    leaders_per_channel: int = 64
+    agents_per_channel: int = 16
+    open_batch: int = 128
+    """Watch streams opened per tick: ranks start over seconds, not all in one instant."""
+    heartbeat_interval_s: float = 0.2
+    exchange_timeout_s: float = 30.0
+    watch_retry_s: float = 0.2
+    rank_beat_s: float = 0.2
+    forward_interval_s: float = 0.1
+    forward_timeout_s: float = 1.0
+    partial_step_s: float = 0.5
+    """A survivor holding a quorum of only some survivors trains a step on it (this long) before
+    its leader asks again (an emulated step is otherwise instant)."""
+
+
+class Replica:
+    """One emulated replica: its leader's state and its ranks' view."""
+
+    def __init__(self, index: int, shape: Shape, client: AsyncQuorumClient) -> None:
+        w = shape.ranks
+        self.index, self.name, self.client = index, replica_name(index), client
+        self.incarnation = 0
+        self.step = 0
+        self.alive = False
+        """Its leader takes part (joined, not torn down)."""
+        self.torn_down = False
+        """Its ranks exited on its teardown: its hosts' agents have no rank left to forward."""
+        self.last_call = 0.0
+        self.rank_alive = [True] * w
+        self.live = [False] * w
+        self.aborted = [NAN] * w
+        self.ring_at = [NAN] * w
+        self.neighbours: list[tuple[str, str] | None] = [None] * w
+        self.ring: frozenset[str] = frozenset()
+        self.sent: bytes | None = None
+        self.quorum_id = 0
+        self.armed = False
+        self.pending = 0
+        self.vote = asyncio.Event()
+        self.leader_at = NAN
+        self.first_at = NAN
+        self.epochs = 0
+        self.voted_at = NAN
+        self.via_timeout = 0
+        self.errors: list[str] = []
+
+    def rank_is_alive(self, i: int) -> bool:
+        return self.rank_alive[i]
+
+    def current_step(self) -> int:
+        return self.step
+
+
+class Ranks:
+    """Every rank of a client process's replicas: their streams and their plans."""
+
+    def __init__(self, target: str, token: str, shape: Shape, settings: Settings) -> None:
+        self._target, self._token, self.shape, self.settings = target, token, shape, settings
+        self.plans = Plans()
+        self.watchers: list[AsyncQuorumClient] = []
+        self.channels: list[grpc.aio.Channel] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.counters = {"events": 0, "event_bytes": 0, "stream_errors": 0, "streams_live": 0}
+        self.foreign_evictions: list[str] = []
+        """Evictions of replicas of ours that nobody killed (a missed heartbeat), as seen by
+        their rank 0."""
+        self.first_seen: dict[str, float] = {}
+        """Replica id -> when a rank here first heard of its eviction."""
+        self._sizes: dict[tuple[Any, ...], int] = {}
+        self.closing = False
+
+    async def open_streams(self, replicas: list[Replica], end: float) -> None:
+        """Opens every live replica's ranks' streams, a batch at a time, until `end`."""
+        s = self.settings
+        self.channels = [
+            grpc.aio.insecure_channel(
+                self._target, options=[*CHANNEL_OPTIONS, ("grpc.channel_id", 100_000 + i)]
+            )
+            for i in range(max(1, len(replicas) * self.shape.ranks // s.streams_per_channel))
+        ]
+        self.watchers = [
+            AsyncQuorumClient(self._target, self._token, channel=c) for c in self.channels
+        ]
+        k = 0
+        for rep in replicas:
+            if not rep.alive:
+                continue
+            for i in range(self.shape.ranks):
+                watcher = self.watchers[k % len(self.watchers)]
+                self.tasks.append(asyncio.create_task(self._rank(rep, i, watcher)))
+                k += 1
+                if k % s.open_batch == 0:
+                    # At most two batches opening at once: a burst of thousands of new calls is
+                    # partly cancelled by grpc, and starves the service's heartbeats.
+                    wait_until = min(end, time.monotonic() + 5.0)
+                    while (
+                        self.counters["streams_live"] < k - s.open_batch
+                        and time.monotonic() < wait_until
+                    ):
+                        await asyncio.sleep(0.005)
+                    if time.monotonic() > end:
+                        return
+
+    async def close(self) -> None:
+        self.closing = True
+        for watcher in self.watchers:
+            await watcher.close()
+        for task in self.tasks:
+            task.cancel()
+        for channel in self.channels:
+            await channel.close(None)
+
+    async def _rank(self, rep: Replica, i: int, watcher: AsyncQuorumClient) -> None:
+        """One rank's RingWatch: follows its stream, reopens it after a failure."""
+        while not self.closing and rep.rank_alive[i]:
+            stream = watcher.watch()
+            try:
+                async for event in stream:
+                    self._on_event(rep, i, event)
+                    del event  # a 1,536-member event is ~100 KB: hold none per rank
+                    if not rep.rank_alive[i]:
+                        break
+            except (QuorumError, grpc.RpcError):
+                self.counters["stream_errors"] += 1
+            stream.cancel()
+            if not self.closing and rep.rank_alive[i]:
+                await asyncio.sleep(self.settings.watch_retry_s)
+
+    def _on_event(self, rep: Replica, i: int, event: MembershipEvent) -> None:
+        now = time.monotonic()
+        self.counters["events"] += 1
+        self.counters["event_bytes"] += self._event_bytes(event)
+        if not rep.live[i]:
+            rep.live[i] = True
+            self.counters["streams_live"] += 1
+        if event.kind not in ("evicted", "left") or event.replica_id is None:
+            return
+        self.first_seen.setdefault(event.replica_id, now)
+        if event.replica_id == rep.name:
+            if event.teardown:  # its ranks exit (Manager._torn_down)
+                rep.rank_alive[i] = False
+                rep.alive = False
+                rep.torn_down = True
+            elif i == 0:
+                self.foreign_evictions.append(f"{rep.name}: {event.reason}")
+            return
+        if rep.armed and event.replica_id in rep.ring and math.isnan(rep.aborted[i]):
+            self.abort(rep, i, now)
+
+    def abort(self, rep: Replica, i: int, now: float) -> None:
+        rep.aborted[i] = now
+        rep.pending -= 1
+        if rep.pending == 0:
+            rep.voted_at = now
+            rep.vote.set()
+
+    def _event_bytes(self, event: MembershipEvent) -> int:
+        key = (event.kind, event.replica_id, event.quorum_id, len(event.members), event.reason)
+        size = self._sizes.get(key)
+        if size is None:
+            if len(self._sizes) > 256:
+                self._sizes.clear()
+            size = self._sizes[key] = codec.event_to_pb(event).ByteSize()
+        return size
+
+    def deliver(self, rep: Replica, quorum: Quorum) -> bool:
+        """The leader's broadcast and every rank's plan: in the steady state only max_step
+        moves; otherwise each live rank derives its ring neighbours. True if the ring changed."""
+        payload = self.plans.payload(quorum, rep.name)
+        if self.plans.steady(rep.sent, payload) is not None:
+            return False
+        order, members = self.plans.members(payload, rep.name)
+        rep.sent, rep.quorum_id = payload, quorum.quorum_id
+        rep.ring = frozenset(order)
+        position = order[rep.name]
+        before, after = (
+            members[position - 1]["ranks"],
+            members[(position + 1) % len(members)]["ranks"],
+        )
+        for i in range(self.shape.ranks):
+            if rep.rank_alive[i]:
+                rep.neighbours[i] = (before[i][0], after[i][0])
+                rep.ring_at[i] = time.monotonic()
+        return True
+
+    def outcome(self, rep: Replica, ring: list[int], detail: bool) -> dict[str, Any]:
+        ranks = [i for i in range(self.shape.ranks) if rep.rank_alive[i]]
+        before, after = ring_neighbours(ring, rep.index) if rep.index in ring else (-1, -1)
+        wrong = sum(
+            1
+            for i in ranks
+            if before < 0
+            or rep.neighbours[i]
+            != (endpoint(self.shape, before, i).ftar, endpoint(self.shape, after, i).ftar)
+        )
+        return {
+            "leader_at": None if math.isnan(rep.leader_at) else rep.leader_at,
+            "voted_at": None if math.isnan(rep.voted_at) else rep.voted_at,
+            "first_at": None if math.isnan(rep.first_at) else rep.first_at,
+            "epochs": rep.epochs,
+            "quorum_id": rep.quorum_id,
+            "ring": sorted(rep.ring),
+            "ranks": len(ranks),
+            "aborted": _times(rep.aborted, ranks),
+            "ring_at": _times(rep.ring_at, ranks),
+            "via_timeout": rep.via_timeout,
+            "errors": rep.errors,
+            "wrong_neighbours": wrong,
+            "neighbours": [rep.neighbours[i] for i in ranks] if detail else None,
+        }
+
+
+def _times(values: list[float], ranks: list[int]) -> list[float | None]:
+    return [None if math.isnan(values[i]) else values[i] for i in ranks]
