@@ -130,6 +130,10 @@ def configure(
     if handler is None:
         handler = _Handler(stream or sys.stderr)
         root.addHandler(handler)
+    elif getattr(handler.stream, "closed", False):
+        # setStream flushes the old stream first, which raises on a closed one (a test's
+        # captured stderr, a redirect that has ended): nothing is left to flush there.
+        handler.stream = stream or sys.stderr
     else:
         handler.setStream(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())

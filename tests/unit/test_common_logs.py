@@ -111,6 +111,17 @@ def test_configure_twice_keeps_one_handler_with_the_latest_settings() -> None:
     assert json.loads(line)["msg"] == "once"
 
 
+def test_configure_again_after_the_old_stream_was_closed() -> None:
+    # A CLI run under a redirect that has ended (pytest's capture of an earlier test) left the
+    # handler on a closed stream; the next configure must not fail flushing it.
+    first, second = io.TextIOWrapper(io.BytesIO()), io.StringIO()
+    logs.configure("INFO", "text", stream=first)
+    first.close()
+    logs.configure("INFO", "text", stream=second)
+    logging.getLogger("fthsdp.test").warning("after")
+    assert _lines(second)[-1].endswith("after")
+
+
 def test_fields_are_stamped_on_every_record_unless_it_has_its_own() -> None:
     out = io.StringIO()
     logs.configure("INFO", "text", stream=out, fields={"replica_id": "r0", "rank": 1})
