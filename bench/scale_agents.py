@@ -51,11 +51,11 @@ class CountingCache(QuorumDecodeCache):
         self.phase = "setup"
         self.bytes: dict[str, int] = {}
         self.responses: dict[str, int] = {}
-        self._sizes: dict[tuple[int, int, bool, int], int] = {}
+        self._sizes: dict[tuple[int, int, int, int], int] = {}
 
     def decode(self, msg: qpb.QuorumResponse) -> Quorum | None:
         # Every participant of a round gets the same bytes: measure each distinct one once.
-        key = (msg.quorum_id, msg.max_step, msg.endpoints_included, len(msg.members))
+        key = (msg.quorum_id, msg.max_step, msg.members_form, len(msg.members))
         size = self._sizes.get(key)
         if size is None:
             if len(self._sizes) > 64:

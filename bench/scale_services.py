@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from fthsdp.services.common import logs
+from fthsdp.services.common import gc_tuning, logs
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.core import HealthCore
 from fthsdp.services.health.detectors.config import DetectorConfig
@@ -128,6 +128,7 @@ def serve_quorum(conn: Connection, token: str, settings: QuorumSettings) -> None
         )
         server = QuorumServer(config, token)
         await server.start()
+        gc_tuning.settle()
         conn.send(server.address)
 
         def handle(command: str, since: Any) -> Any:
@@ -202,6 +203,7 @@ def serve_central(conn: Connection, token: str, settings: CentralSettings) -> No
         core = TimedCore(detectors)
         node.engine.core = core  # before start: nothing was ingested yet
         await node.start()
+        gc_tuning.settle()
         conn.send(node.grpc_address)
 
         def handle(command: str, since: Any) -> Any:

@@ -23,6 +23,42 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _MembersForm:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MembersFormEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MembersForm.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MEMBERS_FORM_FULL: _MembersForm.ValueType  # 0
+    """Every member with its rank endpoints (the caller holds no quorum the service remembers)."""
+    MEMBERS_FORM_DELTA: _MembersForm.ValueType  # 1
+    """Every member; rank endpoints only for the members (replica id and incarnation) that were not
+    in the caller's known quorum.
+    """
+    MEMBERS_FORM_SAME: _MembersForm.ValueType  # 2
+    """quorum_id equals known_quorum_id: the members are the known quorum's, left out; `lagging`
+    names those below max_step with their steps, every other member is at max_step.
+    """
+
+class MembersForm(_MembersForm, metaclass=_MembersFormEnumTypeWrapper):
+    """How much of the membership a QuorumResponse spells out, given the request's known_quorum_id.
+    Each round costs O(1) bytes per participant when nothing changed, and only the newcomers'
+    endpoints when something did: at 1,536 replicas every leader would otherwise receive every
+    member each step, O(replicas^2) bytes a round.
+    """
+
+MEMBERS_FORM_FULL: MembersForm.ValueType  # 0
+"""Every member with its rank endpoints (the caller holds no quorum the service remembers)."""
+MEMBERS_FORM_DELTA: MembersForm.ValueType  # 1
+"""Every member; rank endpoints only for the members (replica id and incarnation) that were not
+in the caller's known quorum.
+"""
+MEMBERS_FORM_SAME: MembersForm.ValueType  # 2
+"""quorum_id equals known_quorum_id: the members are the known quorum's, left out; `lagging`
+names those below max_step with their steps, every other member is at max_step.
+"""
+Global___MembersForm: _TypeAlias = MembersForm  # noqa: Y015
+
 class _EventKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -170,8 +206,8 @@ class QuorumRequest(_message.Message):
     commit_failed: _builtins.bool
     """True when the replica's previous attempt failed to commit; forces a new quorum id."""
     known_quorum_id: _builtins.int
-    """The last quorum id whose endpoints the caller holds (0 = none); when the resulting quorum id
-    equals it, members' rank endpoints are left out of the response.
+    """The last quorum id whose members and endpoints the caller holds (0 = none): the answer
+    leaves out what the caller already has (see MembersForm).
     """
     attempt_id: _builtins.int
     """Client-chosen id of this logical call (0 = none); a retry with the same id after a lost
@@ -213,7 +249,7 @@ class QuorumMember(_message.Message):
     """The step the member asked for."""
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankEndpoint]:
-        """Per-rank endpoints, in rank order; empty when QuorumResponse.endpoints_included is false."""
+        """Per-rank endpoints, in rank order; empty for a member the caller already holds (DELTA)."""
 
     def __init__(
         self,
@@ -230,6 +266,32 @@ class QuorumMember(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___QuorumMember: _TypeAlias = QuorumMember  # noqa: Y015
+
+@_typing.final
+class LaggingMember(_message.Message):
+    """A member below max_step, in a MEMBERS_FORM_SAME answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The member replica."""
+    step: _builtins.int
+    """The step it asked for (< max_step)."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaggingMember: _TypeAlias = LaggingMember  # noqa: Y015
 
 @_typing.final
 class RecoveryAssignment(_message.Message):
@@ -271,27 +333,32 @@ class QuorumResponse(_message.Message):
     QUORUM_ID_FIELD_NUMBER: _builtins.int
     MAX_STEP_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
-    ENDPOINTS_INCLUDED_FIELD_NUMBER: _builtins.int
     RECOVERING_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    MEMBERS_FORM_FIELD_NUMBER: _builtins.int
+    LAGGING_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """Epoch of the membership: grows on every membership change or reported commit failure."""
     max_step: _builtins.int
     """Largest step among the members; the healthy members are those at max_step."""
-    endpoints_included: _builtins.bool
-    """Whether members carry their rank endpoints (false when quorum_id == known_quorum_id)."""
     reason: _builtins.str
     """Why the quorum formed (for logs)."""
     leader_epoch: _builtins.int
     """Lease epoch of the answering leader (0 without a standby setup); see JoinResponse."""
+    members_form: Global___MembersForm.ValueType
+    """What `members` holds (see MembersForm)."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuorumMember]:
-        """Members sorted by replica_id: this order is the ring order."""
+        """Members sorted by replica_id: this order is the ring order. Empty in MEMBERS_FORM_SAME."""
 
     @_builtins.property
     def recovering(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecoveryAssignment]:
         """One entry per recovering member, in replica_id order."""
+
+    @_builtins.property
+    def lagging(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaggingMember]:
+        """MEMBERS_FORM_SAME only: the members below max_step, in replica_id order."""
 
     def __init__(
         self,
@@ -299,14 +366,15 @@ class QuorumResponse(_message.Message):
         quorum_id: _builtins.int = ...,
         max_step: _builtins.int = ...,
         members: _abc.Iterable[Global___QuorumMember] | None = ...,
-        endpoints_included: _builtins.bool = ...,
         recovering: _abc.Iterable[Global___RecoveryAssignment] | None = ...,
         reason: _builtins.str = ...,
         leader_epoch: _builtins.int = ...,
+        members_form: Global___MembersForm.ValueType = ...,
+        lagging: _abc.Iterable[Global___LaggingMember] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints_included", b"endpoints_included", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lagging", b"lagging", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "members_form", b"members_form", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fthsdp.services.common import gc_tuning
 from fthsdp.services.common.cli import (
     Flag,
     add_flags,
@@ -146,6 +147,7 @@ async def serve(
     node = HealthProcess(config, token, detectors=detectors)
     stop = shutdown_signal()
     await node.start()
+    gc_tuning.settle()
     print(_banner(node), file=out or sys.stdout, flush=True)
     try:
         await stop.wait()

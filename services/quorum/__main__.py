@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fthsdp.services.common import gc_tuning
 from fthsdp.services.common.cli import Flag, add_flags, config_values, setup_logging
 from fthsdp.services.common.signals import shutdown_signal
 from fthsdp.services.common.tokens import Token, load_token
@@ -75,6 +76,7 @@ async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
     server = QuorumServer(config, token, store=store)
     stop = shutdown_signal()
     await server.start()
+    gc_tuning.settle()
     print(_banner(server), file=out or sys.stdout, flush=True)
     try:
         await stop.wait()

@@ -16,7 +16,7 @@ import asyncio
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -88,9 +88,11 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    # Notice a dead service (or a dead client, on the server side) during a long poll.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # Notice a dead service during a call: a blackholed leader (packets dropped, nothing
+    # refused) fails the call as UNAVAILABLE within ~2 s, and the client moves to the standby
+    # instead of waiting out the call's deadline. Pings go only while a call is open.
+    ("grpc.keepalive_time_ms", 1_000),
+    ("grpc.keepalive_timeout_ms", 1_000),
     # Reconnect quickly after a service restart; our own Backoff spaces the calls.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -120,45 +122,40 @@ def _seconds(value: timedelta) -> float:
 
 
 class QuorumDecodeCache:
-    """Members' rank endpoints of the latest quorum id seen, and the last few decoded quorums
-    (thread-safe).
+    """The latest complete quorum seen (its id is the `known_quorum_id` of the next request, so
+    the service leaves out what it holds), and the last few decoded quorums (thread-safe).
 
     One per client by default. Clients in one process may share one (`decode_cache=`), e.g. when
     a process emulates many replicas: every participant of a round gets the same bytes, so the
-    O(replicas) decode then happens once per round per process instead of once per client."""
+    decode then happens once per round per process instead of once per client."""
 
     _MEMO_SIZE = 4
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._quorum_id = 0
-        self._ranks: Mapping[str, tuple[RankEndpoint, ...]] = {}
+        self._known: Quorum | None = None
         self._memo: dict[bytes, Quorum] = {}
 
     @property
     def known_quorum_id(self) -> int:
-        """The quorum id whose endpoints this cache holds (0: none)."""
+        """The quorum id whose members this cache holds (0: none)."""
         with self._lock:
-            return self._quorum_id
+            return 0 if self._known is None else self._known.quorum_id
 
     def decode(self, msg: pb.QuorumResponse) -> Quorum | None:
-        """The complete quorum, or None when the message lacks endpoints we do not hold."""
+        """The complete quorum, or None when the message leaves out members or endpoints this
+        cache does not hold (another client sharing it moved it on): ask again without."""
         key = msg.SerializeToString(deterministic=True)
         with self._lock:
             quorum = self._memo.get(key)
             if quorum is not None:
                 return quorum
-            if msg.endpoints_included:
-                quorum = codec.quorum_from_pb(msg, None)
-                self._quorum_id = quorum.quorum_id
-                self._ranks = {m.replica_id: m.ranks for m in quorum.members}
-            elif msg.quorum_id == self._quorum_id:
-                try:
-                    quorum = codec.quorum_from_pb(msg, self._ranks)
-                except KeyError:
-                    return None
-            else:
+            try:
+                quorum = codec.quorum_from_pb(msg, self._known)
+            except KeyError:
                 return None
+            if self._known is None or quorum.quorum_id >= self._known.quorum_id:
+                self._known = quorum
             if len(self._memo) >= self._MEMO_SIZE:
                 self._memo.clear()
             self._memo[key] = quorum

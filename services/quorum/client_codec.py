@@ -5,9 +5,11 @@ may import it)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
+from typing import TypeAlias
 
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.services.quorum.domain import (
@@ -45,26 +47,28 @@ def ranks_from_pb(ranks: Sequence[pb.RankEndpoint]) -> tuple[RankEndpoint, ...]:
 # ---- quorum ---------------------------------------------------------------------------------
 
 
-def quorum_to_pb(quorum: Quorum, *, endpoints: bool) -> pb.QuorumResponse:
-    """A quorum as sent to a participant; without rank endpoints when it already has them.
+MembersForm: TypeAlias = pb.MembersForm.ValueType
+FULL: MembersForm = pb.MEMBERS_FORM_FULL
+DELTA: MembersForm = pb.MEMBERS_FORM_DELTA
+SAME: MembersForm = pb.MEMBERS_FORM_SAME
+
+
+def quorum_to_pb(
+    quorum: Quorum, *, form: MembersForm = FULL, held: Collection[tuple[str, int]] = ()
+) -> pb.QuorumResponse:
+    """A quorum as sent to a participant, leaving out what it already holds: FULL spells out
+    every member and its endpoints; DELTA every member, with endpoints only for those whose
+    (replica_id, incarnation) is not in `held`; SAME no member at all (the caller's known quorum
+    has this id), only the members below max_step (`lagging`).
 
     Sources travel as the index of each rank's first source in `healthy`: every source list is a
     rotation of `healthy` (see `core.assign_sources`), so per step the message stays O(replicas +
     recovering ranks), never O(recovering ranks x healthy)."""
     index = {rid: i for i, rid in enumerate(quorum.healthy)} if quorum.sources else {}
-    return pb.QuorumResponse(
+    message = pb.QuorumResponse(
         quorum_id=quorum.quorum_id,
         max_step=quorum.max_step,
-        members=[
-            pb.QuorumMember(
-                replica_id=m.replica_id,
-                incarnation=m.incarnation,
-                step=m.step,
-                ranks=ranks_to_pb(m.ranks) if endpoints else (),
-            )
-            for m in quorum.members
-        ],
-        endpoints_included=endpoints,
+        members_form=form,
         recovering=[
             pb.RecoveryAssignment(
                 replica_id=rid,
@@ -74,23 +78,54 @@ def quorum_to_pb(quorum: Quorum, *, endpoints: bool) -> pb.QuorumResponse:
         ],
         reason=quorum.reason,
     )
-
-
-def quorum_from_pb(
-    msg: pb.QuorumResponse, known: Mapping[str, tuple[RankEndpoint, ...]] | None
-) -> Quorum:
-    """The domain quorum; when the message carries no endpoints they come from `known` (the
-    caller's cache for this quorum id). KeyError if a member is missing from `known`."""
-    members = tuple(
-        Member(
+    if form == SAME:
+        message.lagging.extend(
+            pb.LaggingMember(replica_id=m.replica_id, step=m.step)
+            for m in quorum.members
+            if m.step != quorum.max_step
+        )
+        return message
+    message.members.extend(
+        pb.QuorumMember(
             replica_id=m.replica_id,
             incarnation=m.incarnation,
             step=m.step,
-            ranks=ranks_from_pb(m.ranks) if msg.endpoints_included else (known or {})[m.replica_id],
+            ranks=(
+                ranks_to_pb(m.ranks)
+                if form == FULL or (m.replica_id, m.incarnation) not in held
+                else ()
+            ),
         )
-        for m in msg.members
+        for m in quorum.members
     )
-    healthy = tuple(m.replica_id for m in msg.members if m.step == msg.max_step)
+    return message
+
+
+def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:
+    """The domain quorum; what the message leaves out comes from `known` (the caller's latest
+    complete quorum). KeyError when `known` lacks it: not the same quorum id for a SAME answer,
+    or a member without endpoints that `known` does not hold at that incarnation."""
+    if msg.members_form == SAME:
+        if known is None or known.quorum_id != msg.quorum_id:
+            raise KeyError(msg.quorum_id)
+        steps = {m.replica_id: m.step for m in msg.lagging}
+        if len(steps) != len(msg.lagging) or not all(known.is_member(r) for r in steps):
+            raise InternalError("lagging members that are not members of the quorum")
+        members = tuple(
+            dataclasses.replace(m, step=steps.get(m.replica_id, msg.max_step))
+            for m in known.members
+        )
+    else:
+        members = tuple(
+            Member(
+                replica_id=m.replica_id,
+                incarnation=m.incarnation,
+                step=m.step,
+                ranks=ranks_from_pb(m.ranks) if m.ranks else _held_ranks(known, m),
+            )
+            for m in msg.members
+        )
+    healthy = tuple(m.replica_id for m in members if m.step == msg.max_step)
     rotations: dict[int, tuple[str, ...]] = {}
     sources: dict[str, tuple[tuple[str, ...], ...]] = {}
     for assignment in msg.recovering:
@@ -111,6 +146,17 @@ def quorum_from_pb(
         sources=MappingProxyType(sources),
         reason=msg.reason,
     )
+
+
+def _held_ranks(known: Quorum | None, m: pb.QuorumMember) -> tuple[RankEndpoint, ...]:
+    """A member's endpoints from the caller's known quorum (KeyError: not held there at this
+    incarnation; a member always has at least one rank, so no endpoints means left out)."""
+    if known is None:
+        raise KeyError(m.replica_id)
+    held = known.member(m.replica_id)
+    if held.incarnation != m.incarnation:
+        raise KeyError(m.replica_id)
+    return held.ranks
 
 
 # ---- status and events ----------------------------------------------------------------------

@@ -48,6 +48,9 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request: a Join of 4096 ranks x 2 addresses x 256 characters is about 2.1 MiB. A cap
 near what is needed bounds what anyone, token or not, can make the service receive."""
+_REMEMBERED_QUORUMS = 16
+"""Quorums whose membership a DELTA or SAME answer may build on: a leader more than this many
+quorums behind gets every member's endpoints again."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
@@ -69,7 +72,10 @@ class _Servicer:
         NotLeaderError on a standby."""
         self._leader = leader
         self._metrics = metrics
-        self._encoded: dict[tuple[int, int, bool], bytes] = {}
+        self._encoded: dict[tuple[int, int, int, int], bytes] = {}
+        self._identities: dict[int, frozenset[tuple[str, int]]] = {}
+        """Quorum id -> its members' (replica_id, incarnation), for the last few quorums this
+        server answered: what a caller naming one as its known quorum holds."""
 
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         """Method handlers; responses may be pre-encoded bytes (see `_encode`)."""
@@ -139,16 +145,29 @@ class _Servicer:
                 attempt_id=request.attempt_id,
             )
         )
-        endpoints = request.known_quorum_id != formation.quorum.quorum_id
-        return self._encoded_answer(formation, endpoints, epoch)
+        return self._encoded_answer(formation, request.known_quorum_id, epoch)
 
-    def _encoded_answer(self, formation: Formation, endpoints: bool, epoch: int) -> bytes:
-        key = (epoch, formation.record.round, endpoints)
+    def _encoded_answer(self, formation: Formation, known: int, epoch: int) -> bytes:
+        """The answer for a caller holding quorum `known`, encoded once per round and form:
+        every participant of a steady round gets the same few bytes (see MembersForm)."""
+        quorum = formation.quorum
+        identity = frozenset(formation.record.members)
+        self._identities.setdefault(quorum.quorum_id, identity)
+        while len(self._identities) > _REMEMBERED_QUORUMS:
+            del self._identities[next(iter(self._identities))]
+        held = self._identities.get(known) if known else None
+        if held is None:
+            form, known = codec.FULL, 0
+        elif known == quorum.quorum_id and held == identity:
+            form = codec.SAME
+        else:
+            form = codec.DELTA
+        key = (epoch, formation.record.round, form, known)
         data = self._encoded.get(key)
         if data is None:
-            if len(self._encoded) >= 8:
+            if len(self._encoded) >= 32:
                 self._encoded.clear()
-            message = codec.quorum_to_pb(formation.quorum, endpoints=endpoints)
+            message = codec.quorum_to_pb(quorum, form=form, held=held or ())
             message.leader_epoch = epoch
             data = self._encoded[key] = message.SerializeToString()
         return data

@@ -177,7 +177,7 @@ async def test_unexpected_failure_is_internal_without_details(
     assert "Traceback" not in str(info.value)
 
 
-async def test_endpoints_travel_only_when_the_quorum_id_changes(
+async def test_an_answer_leaves_out_what_the_caller_holds(
     raw: tuple[pb_grpc.QuorumServiceAsyncStub, tuple[tuple[str, str], ...]],
     quorum_server: QuorumServer,
     token: str,
@@ -187,18 +187,27 @@ async def test_endpoints_travel_only_when_the_quorum_id_changes(
     first = await stub.Quorum(
         pb.QuorumRequest(replica_id="a", incarnation=inc, step=0), metadata=auth
     )
-    assert first.endpoints_included
+    assert first.members_form == pb.MEMBERS_FORM_FULL
     assert first.members[0].ranks[0].ftar == "127.0.0.1:1"
-    lean = await stub.Quorum(
+    same = await stub.Quorum(
         pb.QuorumRequest(replica_id="a", incarnation=inc, step=1, known_quorum_id=first.quorum_id),
         metadata=auth,
     )
-    assert lean.quorum_id == first.quorum_id
-    assert not lean.endpoints_included
-    assert len(lean.members[0].ranks) == 0
+    assert same.quorum_id == first.quorum_id
+    assert same.members_form == pb.MEMBERS_FORM_SAME
+    assert len(same.members) == 0 and len(same.lagging) == 0
+    assert same.ByteSize() < 128  # ids, step, form and the reason for the logs
+    unknown = await stub.Quorum(  # a quorum id this server never answered: everything again
+        pb.QuorumRequest(
+            replica_id="a", incarnation=inc, step=2, known_quorum_id=first.quorum_id + 99
+        ),
+        metadata=auth,
+    )
+    assert unknown.members_form == pb.MEMBERS_FORM_FULL and unknown.members[0].ranks
     async with AsyncQuorumClient(quorum_server.address, token) as client:
         inc_b = await client.join("b", [RANK])
-        for step in (2, 3):  # step 2: new epoch, endpoints sent; step 3: same epoch, cached
+        raw_answers: list[pb.QuorumResponse] = []
+        for step in (3, 4):  # step 3: a new epoch with b; step 4: the same epoch again
             # b asks first: a newcomer that has not asked yet holds no round up.
             b = asyncio.ensure_future(client.quorum("b", inc_b, step, timeout=LONG))
             deadline = time.monotonic() + 10
@@ -207,13 +216,21 @@ async def test_endpoints_travel_only_when_the_quorum_id_changes(
             ):
                 assert time.monotonic() < deadline, "b's ask never reached the round"
                 await asyncio.sleep(0.01)
+            known = raw_answers[-1].quorum_id if raw_answers else first.quorum_id
             a = stub.Quorum(
-                pb.QuorumRequest(replica_id="a", incarnation=inc, step=step), metadata=auth
+                pb.QuorumRequest(replica_id="a", incarnation=inc, step=step, known_quorum_id=known),
+                metadata=auth,
             )
-            _, quorum = await asyncio.gather(a, b)
+            answer, quorum = await asyncio.gather(a, b)
+            raw_answers.append(answer)
             assert quorum.member("b").ranks == (RANK,)
             assert quorum.member("a").ranks[0].ftar == "127.0.0.1:1"
         assert client._endpoints.known_quorum_id == quorum.quorum_id
+    delta, steady = raw_answers
+    # a held the quorum of itself alone: only the newcomer's endpoints travel.
+    assert delta.members_form == pb.MEMBERS_FORM_DELTA
+    assert [(m.replica_id, len(m.ranks)) for m in delta.members] == [("a", 0), ("b", 1)]
+    assert steady.members_form == pb.MEMBERS_FORM_SAME and len(steady.members) == 0
 
 
 async def test_graceful_stop_releases_waiters_and_is_idempotent(

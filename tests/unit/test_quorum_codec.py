@@ -1,7 +1,10 @@
-"""Wire mapping: a quorum survives encode/decode, endpoints can be left out, errors map back."""
+"""Wire mapping: a quorum survives encode/decode, what the caller holds is left out (a steady
+answer is O(1) bytes), errors map back."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import replace
 from datetime import timedelta
 from types import MappingProxyType
 
@@ -52,12 +55,17 @@ def _quorum() -> Quorum:
     )
 
 
+def _wire(
+    quorum: Quorum, form: codec.MembersForm = codec.FULL, held: Collection[tuple[str, int]] = ()
+) -> pb.QuorumResponse:
+    """The answer as a caller receives it (encoded, then parsed)."""
+    message = codec.quorum_to_pb(quorum, form=form, held=held)
+    return pb.QuorumResponse.FromString(message.SerializeToString())
+
+
 def test_quorum_round_trips_with_endpoints() -> None:
     quorum = _quorum()
-    msg = pb.QuorumResponse.FromString(
-        codec.quorum_to_pb(quorum, endpoints=True).SerializeToString()
-    )
-    decoded = codec.quorum_from_pb(msg, None)
+    decoded = codec.quorum_from_pb(_wire(quorum), None)
     assert decoded == quorum
     assert decoded.member("c").ranks[2].ftar == "c:9002"
     assert decoded.is_healthy("d")
@@ -68,16 +76,79 @@ def test_quorum_round_trips_with_endpoints() -> None:
         decoded.member("zz")
 
 
-def test_endpoints_are_left_out_and_restored_from_the_cache() -> None:
+def test_same_quorum_sends_only_the_lagging_members_and_restores_the_rest() -> None:
     quorum = _quorum()
-    full = codec.quorum_to_pb(quorum, endpoints=True).SerializeToString()
-    lean = codec.quorum_to_pb(quorum, endpoints=False).SerializeToString()
-    assert len(lean) < len(full) / 2
-    msg = pb.QuorumResponse.FromString(lean)
-    assert not msg.endpoints_included
-    assert all(len(m.ranks) == 0 for m in msg.members)
-    known = {m.replica_id: m.ranks for m in quorum.members}
-    assert codec.quorum_from_pb(msg, known) == quorum
+    msg = _wire(quorum, codec.SAME)
+    assert len(msg.members) == 0
+    assert [(m.replica_id, m.step) for m in msg.lagging] == [("c", 4), ("e", 0)]
+    # The caller held the same quorum at an earlier step, everyone at 8: steps come from the wire.
+    earlier = replace(
+        quorum,
+        members=tuple(replace(m, step=8) for m in quorum.members),
+        max_step=8,
+        healthy=("a", "b", "c", "d", "e"),
+        sources=MappingProxyType({}),
+    )
+    assert codec.quorum_from_pb(msg, earlier) == quorum
+    with pytest.raises(KeyError):  # the caller holds another quorum id: it must ask again
+        codec.quorum_from_pb(msg, replace(earlier, quorum_id=11))
+    with pytest.raises(KeyError):
+        codec.quorum_from_pb(msg, None)
+
+
+def test_a_steady_answer_stays_small_whatever_the_number_of_members() -> None:
+    members = tuple(
+        Member(replica_id=f"replica-{i:04d}", incarnation=i + 1, step=7, ranks=_ranks(f"h{i}", 64))
+        for i in range(1536)
+    )
+    big = Quorum(
+        quorum_id=3, members=members, max_step=7, healthy=tuple(m.replica_id for m in members)
+    )
+    assert len(codec.quorum_to_pb(big, form=codec.SAME).SerializeToString()) < 32
+    # Without the known quorum every member's endpoints travel: megabytes.
+    assert len(codec.quorum_to_pb(big).SerializeToString()) > 3_000_000
+
+
+def test_delta_carries_only_the_endpoints_the_caller_lacks() -> None:
+    quorum = _quorum()
+    # The caller's quorum had c at an older incarnation and no e at all.
+    held = {(m.replica_id, m.incarnation) for m in quorum.members if m.replica_id not in "ce"}
+    held.add(("c", 99))
+    msg = _wire(quorum, codec.DELTA, held)
+    assert {m.replica_id for m in msg.members if m.ranks} == {"c", "e"}
+    assert [m.replica_id for m in msg.members] == ["a", "b", "c", "d", "e"]
+    known = replace(
+        quorum,
+        quorum_id=10,
+        members=tuple(
+            replace(m, incarnation=99, ranks=_ranks("old", 3)) if m.replica_id == "c" else m
+            for m in quorum.members
+            if m.replica_id != "e"
+        ),
+    )
+    decoded = codec.quorum_from_pb(msg, known)
+    assert decoded == quorum
+    assert decoded.member("c").ranks == _ranks("c", 3)  # the new incarnation's, not the held ones
+    # A caller that does not hold a member left out cannot decode it.
+    lacking = replace(known, members=tuple(m for m in known.members if m.replica_id != "a"))
+    with pytest.raises(KeyError):
+        codec.quorum_from_pb(msg, lacking)
+    stale_a = replace(
+        known,
+        members=tuple(
+            replace(m, incarnation=0) if m.replica_id == "a" else m for m in known.members
+        ),
+    )
+    with pytest.raises(KeyError):
+        codec.quorum_from_pb(msg, stale_a)
+
+
+def test_lagging_names_outside_the_quorum_are_refused() -> None:
+    quorum = _quorum()
+    msg = _wire(quorum, codec.SAME)
+    msg.lagging.add(replica_id="zz", step=1)
+    with pytest.raises(InternalError):
+        codec.quorum_from_pb(msg, quorum)
 
 
 def test_errors_map_by_code_then_by_status() -> None:
