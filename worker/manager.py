@@ -27,14 +27,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.autograd import Variable
 
-from fthsdp.services.quorum.client import RankEndpoint
 from fthsdp.worker.config import ManagerConfig, lr_factor
 from fthsdp.worker.data import DataPositions
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.faults import FaultPlan
 from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
-from fthsdp.worker.manager_ring import ensure_ring, exchange_timeout, ring_config
+from fthsdp.worker.manager_ring import (
+    ensure_ring,
+    exchange_timeout,
+    gather_endpoints,
+    ring_config,
+)
 from fthsdp.worker.metrics import WorkerMetrics
+from fthsdp.worker.notice_relay import parent_of, relay_for
 from fthsdp.worker.peer_state import PeerState, StateFetchError
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.plan_channel import PlanChannel
@@ -120,7 +125,11 @@ class Manager:
         self._stop = threading.Event()
         self._fetch_cancel = threading.Event()
         """Set to stop the catch-up fetch in flight (its attempt failed, or the manager closes)."""
-        self._endpoints = self._gather_endpoints()
+        host = self._ring.address.rpartition(":")[0]
+        self._relay = relay_for(group.rank, group.world_size, host, config.token)
+        self._endpoints, relays = gather_endpoints(
+            group, self._ring.address, config.checkpoint_url, self._relay
+        )
         self._step_started: float | None = None
         self._records = (
             PositionRecords(self._peer_state, self._executor, config.position_record_interval)
@@ -159,6 +168,8 @@ class Manager:
                 if config.exit_on_teardown
                 else None
             ),
+            relay=self._relay,
+            upstream=None if (parent := parent_of(group.rank)) is None else relays[parent],
         )
         self._threads = [self._watch.thread]
         if self._link is not None:
@@ -171,14 +182,6 @@ class Manager:
             thread.start()
 
     # ---- setup ---------------------------------------------------------------------------
-
-    def _gather_endpoints(self) -> list[RankEndpoint]:
-        mine = f"{self._ring.address}|{self.config.checkpoint_url}".encode()
-        endpoints = []
-        for raw in self.group.all_gather_bytes(mine):
-            ftar, _, checkpoint = raw.decode().partition("|")
-            endpoints.append(RankEndpoint(ftar=ftar, checkpoint=checkpoint))
-        return endpoints
 
     def _restore_durable(self) -> None:
         """A full restart: resume from the newest durable checkpoint, if the job has one."""

@@ -1,14 +1,17 @@
-"""The Manager's cross-replica ring: its settings under a Manager, the bound of one exchange, and
-rebuilding it for a step's plan."""
+"""The Manager's cross-replica ring: its settings under a Manager, the bound of one exchange,
+the endpoints a replica publishes, and rebuilding the ring for a step's plan."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from fthsdp.services.quorum.client import RankEndpoint
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.ftar import FtarAbortedError, FtarConfig, FtarRing
 from fthsdp.worker.ftar.auth import ring_key
+from fthsdp.worker.notice_relay import NoticeRelay
 from fthsdp.worker.plan import StepPlan
+from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.ring_watch import RingWatch
 
 
@@ -55,3 +58,17 @@ def ensure_ring(ring: FtarRing, watch: RingWatch, plan: StepPlan, replica_id: st
         )
     position = plan.ring_replicas.index(replica_id)
     ring.reconfigure(list(plan.ring), position, plan.quorum_id)
+
+
+def gather_endpoints(
+    group: ReplicaGroup, ring_address: str, checkpoint_url: str, relay: NoticeRelay | None
+) -> tuple[list[RankEndpoint], list[str]]:
+    """Every rank's endpoints (a collective), and its notice relay's address ("" for a leaf)."""
+    mine = f"{ring_address}|{checkpoint_url}|{relay.address if relay else ''}".encode()
+    endpoints, relays = [], []
+    for raw in group.all_gather_bytes(mine):
+        ftar, _, rest = raw.decode().partition("|")
+        checkpoint, _, relay_address = rest.rpartition("|")
+        endpoints.append(RankEndpoint(ftar=ftar, checkpoint=checkpoint))
+        relays.append(relay_address)
+    return endpoints, relays

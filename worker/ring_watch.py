@@ -1,20 +1,25 @@
-"""Every rank's watch on the quorum service: a ring member's eviction aborts the exchange at once,
-instead of after the exchange timeout (pushed failure notices, DESIGN.md); so does a newer quorum
-formed without this replica (its ring's epoch can no longer commit: the others moved on, and a
-rank still connecting or exchanging in it would wait for peers that never come). Its own
-replica's eviction with a teardown (one of its ranks is dead or hung) calls `on_teardown`, so
-this rank does not sit in a collective with the dead one until a timeout."""
+"""Every rank's watch on the quorum service's membership events: a ring member's eviction aborts
+the exchange at once, instead of after the exchange timeout (pushed failure notices, DESIGN.md);
+so does a newer quorum formed without this replica (its ring's epoch can no longer commit: the
+others moved on, and a rank still connecting or exchanging in it would wait for peers that never
+come). Its own replica's eviction with a teardown (one of its ranks is dead or hung) calls
+`on_teardown`, so this rank does not sit in a collective with the dead one until a timeout.
+
+Only the replica leader holds a Watch stream; every other rank gets the events from its parent in
+the replica's relay tree (`notice_relay`), and passes them on to its own children before acting
+on them. A parent that dies without a goodbye is a dead rank of this replica: `on_teardown` too."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fthsdp.services.quorum.client import MembershipEvent, QuorumClient, WatchStream
 from fthsdp.worker.config import EXIT_TORN_DOWN, ManagerConfig
 from fthsdp.worker.ftar import FtarRing
+from fthsdp.worker.notice_relay import NoticeRelay, Upstream, UpstreamLost, encode_event, relay_key
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.replica_group import ReplicaGroup
 
@@ -24,8 +29,10 @@ _RETRY_S = 0.2
 
 
 class RingWatch:
-    """Follows the service's membership events in a daemon thread (`thread`, started by the
-    owner); reconnects after a lost stream until `stop` is set."""
+    """Follows the membership events in a daemon thread (`thread`, started by the owner), from
+    the service (`upstream` None: the leader) or from the parent relay at `upstream`, and passes
+    them on through `relay` (owned: closed by `close`); reconnects after a lost stream until
+    `stop` is set."""
 
     def __init__(
         self,
@@ -36,8 +43,12 @@ class RingWatch:
         stop: threading.Event,
         rank: int,
         on_teardown: Callable[[MembershipEvent], None] | None = None,
+        relay: NoticeRelay | None = None,
+        upstream: str | None = None,
     ) -> None:
         self._config = config
+        self._relay = relay
+        self._upstream = upstream
         self._ring = ring
         self._plan = plan
         self._stop = stop
@@ -50,31 +61,70 @@ class RingWatch:
         quorum or an older one that holds it can commit (a newer quorum holds a new
         incarnation, if any)."""
         self._evicted_lock = threading.Lock()
-        self._stream: WatchStream | None = None
-        self._client = QuorumClient(config.quorum_address, config.token)
+        self._stream: WatchStream | Upstream | None = None
+        self._client = (
+            QuorumClient(config.quorum_address, config.token) if upstream is None else None
+        )
         self.thread = threading.Thread(target=self._run, name="fthsdp-watch", daemon=True)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """With `stop` set: ends the stream, closes the channel (which cancels a stream being
-        opened right now) and waits for the thread, so no gRPC call outlives the Manager."""
+        opened right now), says goodbye to the relay's children and waits for the thread, so no
+        gRPC call outlives the Manager."""
         if self._stream is not None:
             self._stream.cancel()
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
+        if self._relay is not None:
+            self._relay.close()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout_s)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._stream = self._client.watch()
-                for event in self._stream:
+                for event, payload in self._events():
                     if self._stop.is_set():
                         break
                     self.live.set()
+                    if self._relay is not None:  # children first: they act in parallel
+                        self._relay.forward(payload, snapshot=event.kind == "snapshot")
                     self._handle(event)
+            except UpstreamLost as exc:
+                if not self._stop.is_set():
+                    self._parent_died(str(exc))
             except Exception as exc:
                 log.debug("watch stream ended: %s", exc, extra=self._context())
             self._stop.wait(_RETRY_S)
+
+    def _events(self) -> Iterator[tuple[MembershipEvent, bytes]]:
+        if self._upstream is not None:
+            upstream = Upstream(self._upstream, relay_key(self._config.token))
+            self._stream = upstream
+            yield from upstream
+            return
+        assert self._client is not None
+        stream = self._stream = self._client.watch()
+        for event in stream:
+            yield event, encode_event(event) if self._relay is not None else b""
+
+    def _parent_died(self, reason: str) -> None:
+        """The rank feeding this one died: this replica lost a rank, as a teardown says."""
+        log.error(
+            "the parent rank's relay ended without a goodbye: %s",
+            reason,
+            extra=self._context(parent=self._upstream),
+        )
+        if self._on_teardown is not None:
+            self._on_teardown(
+                MembershipEvent(
+                    kind="evicted",
+                    replica_id=self._config.replica_id,
+                    quorum_id=0,
+                    reason=f"a rank of this replica died ({reason})",
+                    teardown=True,
+                )
+            )
 
     def _handle(self, event: MembershipEvent) -> None:
         own = event.replica_id == self._config.replica_id
