@@ -755,7 +755,10 @@ class WatchResponse(_message.Message):
     """JOINED, LEFT, EVICTED: the incarnation concerned (0 for the other kinds)."""
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Registered replica ids after the event, sorted (for QUORUM: the quorum's members)."""
+        """SNAPSHOT: the registered replica ids, sorted; QUORUM: the quorum's members. Empty for the
+        other kinds: a watcher follows them from the snapshot (one event naming every replica, sent
+        to every watcher at every join, was O(replicas^2) bytes while a job started).
+        """
 
     def __init__(
         self,

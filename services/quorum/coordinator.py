@@ -521,8 +521,10 @@ class Coordinator:
     ) -> MembershipEvent:
         if quorum is not None:
             members = tuple(m.replica_id for m in quorum.members)
-        else:
+        elif kind == "snapshot":
             members = tuple(sorted(self._state.registered))
+        else:
+            members = ()
         return MembershipEvent(
             kind=kind,
             replica_id=replica_id,

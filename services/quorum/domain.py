@@ -110,7 +110,8 @@ class MembershipEvent:
     reason: str
     """Why it happened."""
     members: tuple[str, ...] = ()
-    """Registered replica ids after the event (for `quorum`: the quorum's members), sorted."""
+    """`snapshot`: the registered replica ids; `quorum`: the quorum's members (sorted); empty for
+    the other kinds (a watcher follows them from the snapshot)."""
     teardown: bool = False
     """`evicted`: the report asked for the replica to be torn down (a rank is dead or hung): its
     ranks exit, and node agents kill its processes."""

@@ -32,6 +32,7 @@ from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator
 from fthsdp.services.quorum.core import Formation
 from fthsdp.services.quorum.domain import (
+    MembershipEvent,
     QuorumError,
 )
 from fthsdp.services.quorum.election import CoordinatorSlot
@@ -48,6 +49,8 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request: a Join of 4096 ranks x 2 addresses x 256 characters is about 2.1 MiB. A cap
 near what is needed bounds what anyone, token or not, can make the service receive."""
+_REMEMBERED_EVENTS = 256
+"""Encoded events kept for streams still behind (a queue holds at most the hub's queue size)."""
 _REMEMBERED_QUORUMS = 16
 """Quorums whose membership a DELTA or SAME answer may build on: a leader more than this many
 quorums behind gets every member's endpoints again."""
@@ -73,6 +76,7 @@ class _Servicer:
         self._leader = leader
         self._metrics = metrics
         self._encoded: dict[tuple[int, int, int, int], bytes] = {}
+        self._encoded_events: dict[int, tuple[MembershipEvent, bytes]] = {}
         self._identities: dict[int, frozenset[tuple[str, int]]] = {}
         """Quorum id -> its members' (replica_id, incarnation), for the last few quorums this
         server answered: what a caller naming one as its known quorum holds."""
@@ -200,7 +204,7 @@ class _Servicer:
 
     async def _watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Message]:
+    ) -> AsyncIterator[bytes]:
         try:
             coordinator = self._leader()[0]
             sub = coordinator.subscribe()
@@ -220,9 +224,21 @@ class _Servicer:
                             "watch stream fell too far behind; subscribe again",
                         )
                     return
-                yield codec.event_to_pb(event)
+                yield self._encoded_event(event)
         finally:
             coordinator.unsubscribe(sub)
+
+    def _encoded_event(self, event: MembershipEvent) -> bytes:
+        """An event's bytes, encoded once for all the streams it goes to (each stream gets the
+        same object from the hub; the memo holds it, so its id is not reused meanwhile)."""
+        held = self._encoded_events.get(id(event))
+        if held is not None and held[0] is event:
+            return held[1]
+        data = codec.event_to_pb(event).SerializeToString()
+        self._encoded_events[id(event)] = (event, data)
+        while len(self._encoded_events) > _REMEMBERED_EVENTS:
+            del self._encoded_events[next(iter(self._encoded_events))]
+        return data
 
 
 class QuorumServer:
