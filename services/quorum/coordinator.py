@@ -480,11 +480,12 @@ class Coordinator:
     ) -> None:
         self._check_world_size(replica_id, world_size)
         # Every answer listing the membership must still fit in one message, or a round forms
-        # and nobody learns it. O(registered ranks), once per Join.
-        total = core.membership_bytes(endpoints) + sum(
-            core.membership_bytes(reg.ranks)
-            for rid, reg in self._state.registered.items()
-            if rid != replica_id
+        # and nobody learns it (a rejoin replaces its own share).
+        state = self._state
+        total = (
+            core.membership_bytes(endpoints)
+            + state.membership_bytes
+            - state.member_bytes.get(replica_id, 0)
         )
         if total > core.MAX_MEMBERSHIP_BYTES:
             raise MembershipTooLargeError(

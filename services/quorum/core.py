@@ -210,6 +210,8 @@ class CoreState:
         "last_quorum_id",
         "last_seen",
         "last_step",
+        "member_bytes",
+        "membership_bytes",
         "newcomers",
         "not_waiting",
         "previous",
@@ -221,6 +223,11 @@ class CoreState:
 
     def __init__(self, *, last: QuorumRecord | None = None, epoch_floor: int = 0) -> None:
         self.registered: dict[str, Registration] = {}
+        self.member_bytes: dict[str, int] = {}
+        """Each registered replica's `membership_bytes`, computed once at its join."""
+        self.membership_bytes = 0
+        """Their sum: an answer listing the membership stays under it (Join admission checks it
+        in O(1), not O(registered ranks) per Join: O(replicas^2) while a job starts)."""
         self.issued: dict[str, int] = {}
         self.last_seen: dict[str, float] = {}
         self.last_step: dict[str, int] = {}
@@ -240,6 +247,8 @@ class CoreState:
         """Adds (or replaces with a newer incarnation) a replica; returns the superseded one."""
         old = self.remove(reg.replica_id)
         self.registered[reg.replica_id] = reg
+        size = self.member_bytes[reg.replica_id] = membership_bytes(reg.ranks)
+        self.membership_bytes += size
         self.issued[reg.replica_id] = max(self.issued.get(reg.replica_id, 0), reg.incarnation)
         self.not_waiting.add(reg.replica_id)
         self.last_seen[reg.replica_id] = now
@@ -254,6 +263,7 @@ class CoreState:
         reg = self.registered.pop(replica_id, None)
         if reg is None:
             return None
+        self.membership_bytes -= self.member_bytes.pop(replica_id)
         self.drop_ask(replica_id)
         self.not_waiting.discard(replica_id)
         self.newcomers.discard(replica_id)

@@ -20,6 +20,7 @@ from fthsdp.services.quorum.core import (
     decide,
     expired,
     form,
+    membership_bytes,
 )
 from fthsdp.services.quorum.domain import (
     InvalidRequestError,
@@ -310,6 +311,20 @@ def test_removed_replica_is_stale_not_unknown() -> None:
     state.remove("b")
     with pytest.raises(StaleIncarnationError, match="no longer a member"):
         state.check("b", 1)
+
+
+def test_the_membership_size_follows_joins_rejoins_and_removals() -> None:
+    state = CoreState()
+    register(state, "a", 0.0, world=2)
+    register(state, "b", 0.0, world=3)
+    register(state, "b", 1.0, inc=2, world=3)  # a rejoin replaces its own share
+    expected = sum(membership_bytes(r.ranks) for r in state.registered.values())
+    assert state.membership_bytes == expected > 0
+    state.remove("a")
+    state.remove("zz")
+    assert state.membership_bytes == membership_bytes(state.registered["b"].ranks)
+    state.remove("b")
+    assert state.membership_bytes == 0 and state.member_bytes == {}
 
 
 def test_heartbeat_expiry_spares_waiting_replicas() -> None:
