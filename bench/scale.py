@@ -7,18 +7,20 @@ leaders, ranks and node agents in a few client processes (bench.scale_emulated; 
     python -m bench.scale --shape 4x16                           # a small smoke run
 
 Phases, each bounded by a deadline so the harness always finishes and says what did not:
-1. setup: every leader joins with its ranks' endpoints (and beats from then on); every rank
-   opens its Watch stream.
+0. one hop of the replica's notice relay, on the real code (bench.scale_relay).
+1. setup: every leader joins with its ranks' endpoints (and beats from then on) and opens its
+   Watch stream; its ranks hear events through the relay tree, a measured hop per level.
 2. rounds: one round that ships every endpoint, then `--rounds` steady rounds back to back:
    server-side p50/p99 (last ask -> every participant answered, measured by the service),
    client-side (last request sent -> last answer), the service's CPU seconds per round (from
    /proc), the bytes of the answers (QuorumResponse sizes as received).
 3. per failure (`--failures`), a timestamp for each stage from the rank's death: its node agent
    (the real NodeAgent) finds it silent and the service evicts the replica; every surviving rank
-   hears of it on its Watch stream and aborts its exchange; every surviving replica votes no;
-   every surviving leader holds a quorum without it, then the quorum of all survivors; every
-   surviving rank holds its new ring neighbours (checked against the expected ring). A stage that
-   does not complete within `--stage-timeout-s` is reported as "done / total after N s".
+   hears of it (its leader's Watch stream, then the relay tree) and aborts its exchange; every
+   surviving replica votes no; every surviving leader holds a quorum without it, then the
+   quorum of all survivors; every surviving rank holds its new ring neighbours (checked against
+   the expected ring). A stage that does not complete within `--stage-timeout-s` is reported
+   as "done / total after N s".
 4. health ingest: every node agent forwards its node state every 100 ms for `--ingest-s`:
    records/s needed (ranks x 5 beats/s; agents x 10 forwards/s) vs acknowledged, and the central
    service's CPU per forward (its idle cost subtracted).
@@ -29,9 +31,9 @@ writes JSON. Not a pass/fail test.
 
 Today's service refuses replicas of more than 4,096 ranks: `--lift-world-size-cap` raises that
 cap inside the service process only, to measure the rest. `--quorum-heartbeat-timeout-ms`
-changes the service's heartbeat timeout (1 s by default): at ~100K Watch streams a fan-out keeps
-the service busy for longer than that, heartbeats wait, and healthy replicas are evicted; a long
-timeout shows what the other stages cost once that is out of the way."""
+changes the service's heartbeat timeout (1 s by default): when the service is busy for longer
+than that, heartbeats wait and healthy replicas are evicted (it was, with one Watch stream per
+rank); a long timeout shows what the other stages cost once that is out of the way."""
 
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ from fthsdp.bench.scale_harness import Harness
 from fthsdp.bench.scale_model import Shape, Victim, parse_shape, victims
 from fthsdp.bench.scale_phases import failure_result, ingest_result, rounds_result, setup_result
 from fthsdp.bench.scale_rca import run_rca
+from fthsdp.bench.scale_relay import depth, measure_hop
 from fthsdp.bench.scale_render import render
 from fthsdp.services.common import logs
 from fthsdp.services.health.config import HealthConfig
@@ -81,7 +84,10 @@ def run(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
         }
     harness = Harness(args, shape, token)
     try:
-        harness.start(plan_victims)
+        # Before any other process runs: the hop as a quiet host would see it.
+        relay = measure_hop(members=min(shape.replicas, 1536))
+        result["relay"] = {**relay, "depth": depth(shape.ranks - 1)}
+        harness.start(plan_victims, relay_hop_s=relay["hop_s_p99"])
         _phases(harness, args, shape, plan_victims, result)
     except (EOFError, TimeoutError, OSError) as exc:  # a process died or hung: report, finish
         result["incomplete"].append(f"aborted during {harness.current}: {exc}")

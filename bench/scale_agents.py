@@ -156,6 +156,8 @@ class Beating(Protocol):
     incarnation: int
     alive: bool
     last_call: float
+    held: int
+    """The incarnation its Watch stream keeps alive (0: none): no beats are needed then."""
 
 
 class SideLoop:
@@ -180,7 +182,8 @@ class SideLoop:
 @dataclass(slots=True)
 class Heartbeats:
     """The leaders' heartbeats (`QuorumLink.heartbeat_loop`): each leader beats when no request
-    of it reached the service for `interval_s`, independently of the others."""
+    of it reached the service for `interval_s` and its Watch stream does not keep its current
+    incarnation alive, independently of the others."""
 
     sent: int = 0
     failed: int = 0
@@ -208,7 +211,7 @@ class Heartbeats:
         beaten = 0.0
         while not self.stopping:
             quiet = time.monotonic() - max(leader.last_call, beaten)
-            if quiet < interval_s or not leader.alive:
+            if quiet < interval_s or not leader.alive or leader.held == leader.incarnation:
                 await asyncio.sleep(max(0.01, interval_s - quiet))
                 continue
             beaten = time.monotonic()

@@ -7,11 +7,13 @@ ring_watch.py), without torch:
   connection per `leaders_per_channel` leaders, as hosts would), beats when idle (`Heartbeats`,
   on a thread of its own, as the worker's), and turns each answer into the plan it broadcasts
   (`worker.plan`);
-* every rank keeps its own Watch stream (bench.scale_ranks, as RingWatch); an eviction of a
-  member of its ring aborts its exchange, and a replica whose ranks all aborted votes no, so its
-  leader asks again with `commit_failed`; a rank holds its new ring once it has derived its
-  neighbours from the leader's broadcast;
-* a rank with no stream aborts only at the exchange timeout (30 s, ManagerConfig's default).
+* each leader keeps one Watch stream, and its ranks hear every event through the replica's relay
+  tree, one measured hop per level (bench.scale_ranks, as RingWatch and notice_relay); an
+  eviction of a member of its ring aborts a rank's exchange, and a replica whose ranks all
+  aborted votes no, so its leader asks again with `commit_failed`; a rank holds its new ring once
+  it has derived its neighbours from the leader's broadcast;
+* a replica whose leader has no stream aborts only at the exchange timeout (30 s,
+  ManagerConfig's default).
 The in-replica broadcast itself is not emulated (it needs torch): ranks read the payload the
 leader produced. Work every real leader or rank does on its own host in parallel (encoding or
 decoding the same plan) runs once per process here; `Plans` keeps its measured time.
@@ -99,7 +101,7 @@ class Emulator:
 
     async def setup(self, deadline_s: float) -> dict[str, Any]:
         """Leaders join (each beats from then on, as a worker's heartbeat thread starts with its
-        link), then every rank opens its Watch stream."""
+        link), then every leader opens its Watch stream."""
         started = time.monotonic()
         s = self.plan.settings
         self._beating = asyncio.run_coroutine_threadsafe(
@@ -120,7 +122,7 @@ class Emulator:
 
         await asyncio.gather(*(join(rep) for rep in self.replicas.values()))
         joined_s = time.monotonic() - started
-        total = sum(self.shape.ranks for rep in self.replicas.values() if rep.alive)
+        total = sum(rep.alive for rep in self.replicas.values())
         end = started + deadline_s
         await self.ranks.open_streams(list(self.replicas.values()), end)
         while self.ranks.counters["streams_live"] < total and time.monotonic() < end:
@@ -257,6 +259,8 @@ class Emulator:
         for the next step's round, as it would in a job."""
         try:
             await asyncio.wait_for(rep.vote.wait(), max(0.0, timeout_at - time.monotonic()))
+            # Its deepest rank hears of the eviction a few relay hops after the leader.
+            await asyncio.sleep(max(0.0, rep.voted_at - time.monotonic()))
         except TimeoutError:  # the ranks without a stream: the exchange timeout
             now = time.monotonic()
             for i in range(self.shape.ranks):

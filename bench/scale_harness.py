@@ -65,7 +65,9 @@ class Harness:
         self.procs[name], self.conns[name] = proc, mine
         return mine
 
-    def start(self, victims: list[Victim]) -> None:
+    def start(self, victims: list[Victim], relay_hop_s: float = 0.0) -> None:
+        """The services, then the client processes (their ranks hear events `relay_hop_s` a
+        level of the relay tree after their leader)."""
         a = self.args
         quorum = QuorumSettings(
             heartbeat_timeout_s=a.quorum_heartbeat_timeout_ms / 1000,
@@ -90,7 +92,7 @@ class Harness:
                 token=self.token,
                 shape=self.shape,
                 replicas=tuple(replicas),
-                settings=Settings(),
+                settings=Settings(relay_hop_s=relay_hop_s),
             )
             conn = self._spawn(f"client-{k}", run_client, plan)
             if _recv(conn, START_TIMEOUT_S) != "ready":

@@ -1,7 +1,9 @@
-"""The emulated ranks of a `bench.scale` client process: each rank's Watch stream (as the
-worker's RingWatch: an eviction of a member of its ring aborts its exchange, its own replica's
-teardown ends it), its plan from its leader's broadcast (its ring neighbours), and the replicas'
-state the leaders share with their ranks."""
+"""The emulated ranks of a `bench.scale` client process: each replica's leader holds one Watch
+stream, and its ranks hear each event through the replica's relay tree (as the worker's
+RingWatch and notice_relay: an eviction of a member of its ring aborts a rank's exchange, its own
+replica's teardown ends it), `depth x Settings.relay_hop_s` after the leader (the hop measured on
+the real relay code, bench.scale_relay); each rank's plan comes from its leader's broadcast (its
+ring neighbours); and the replicas' state the leaders share with their ranks."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import grpc
 from fthsdp.bench.emulation import replica_name
 from fthsdp.bench.scale_agents import Plans
 from fthsdp.bench.scale_model import Shape, endpoint, ring_neighbours
+from fthsdp.bench.scale_relay import depth
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client import (
     CHANNEL_OPTIONS,
@@ -33,10 +36,12 @@ class Settings:
     """How the clients emulate a job (defaults: the worker's and agent's own settings)."""
 
     streams_per_channel: int = 64
+    relay_hop_s: float = 0.0
+    """One hop of the relay tree inside a replica (measured by the orchestrator)."""
     leaders_per_channel: int = 64
     agents_per_channel: int = 16
     open_batch: int = 128
-    """Watch streams opened per tick: ranks start over seconds, not all in one instant."""
+    """Watch streams opened per tick: leaders start over seconds, not all in one instant."""
     heartbeat_interval_s: float = 0.2
     exchange_timeout_s: float = 30.0
     watch_retry_s: float = 0.2
@@ -55,6 +60,8 @@ class Replica:
         w = shape.ranks
         self.index, self.name, self.client = index, replica_name(index), client
         self.incarnation = 0
+        self.held = 0
+        """The incarnation its leader's Watch stream keeps alive (0: none)."""
         self.step = 0
         self.alive = False
         """Its leader takes part (joined, not torn down)."""
@@ -62,7 +69,8 @@ class Replica:
         """Its ranks exited on its teardown: its hosts' agents have no rank left to forward."""
         self.last_call = 0.0
         self.rank_alive = [True] * w
-        self.live = [False] * w
+        self.live = False
+        """Its leader's stream delivered its snapshot (its ranks' relays hold it from then)."""
         self.aborted = [NAN] * w
         self.ring_at = [NAN] * w
         self.neighbours: list[tuple[str, str] | None] = [None] * w
@@ -95,7 +103,14 @@ class Ranks:
         self.watchers: list[AsyncQuorumClient] = []
         self.channels: list[grpc.aio.Channel] = []
         self.tasks: list[asyncio.Task[None]] = []
-        self.counters = {"events": 0, "event_bytes": 0, "stream_errors": 0, "streams_live": 0}
+        self.counters = {
+            "events": 0,
+            "event_bytes": 0,
+            "relay_frames": 0,
+            "stream_errors": 0,
+            "streams_live": 0,
+        }
+        self._depth = [depth(i) for i in range(shape.ranks)]
         self.foreign_evictions: list[str] = []
         """Evictions of replicas of ours that nobody killed (a missed heartbeat), as seen by
         their rank 0."""
@@ -105,13 +120,13 @@ class Ranks:
         self.closing = False
 
     async def open_streams(self, replicas: list[Replica], end: float) -> None:
-        """Opens every live replica's ranks' streams, a batch at a time, until `end`."""
+        """Opens every live replica's leader stream, a batch at a time, until `end`."""
         s = self.settings
         self.channels = [
             grpc.aio.insecure_channel(
                 self._target, options=[*CHANNEL_OPTIONS, ("grpc.channel_id", 100_000 + i)]
             )
-            for i in range(max(1, len(replicas) * self.shape.ranks // s.streams_per_channel))
+            for i in range(max(1, len(replicas) // s.streams_per_channel))
         ]
         self.watchers = [
             AsyncQuorumClient(self._target, self._token, channel=c) for c in self.channels
@@ -120,21 +135,20 @@ class Ranks:
         for rep in replicas:
             if not rep.alive:
                 continue
-            for i in range(self.shape.ranks):
-                watcher = self.watchers[k % len(self.watchers)]
-                self.tasks.append(asyncio.create_task(self._rank(rep, i, watcher)))
-                k += 1
-                if k % s.open_batch == 0:
-                    # At most two batches opening at once: a burst of thousands of new calls is
-                    # partly cancelled by grpc, and starves the service's heartbeats.
-                    wait_until = min(end, time.monotonic() + 5.0)
-                    while (
-                        self.counters["streams_live"] < k - s.open_batch
-                        and time.monotonic() < wait_until
-                    ):
-                        await asyncio.sleep(0.005)
-                    if time.monotonic() > end:
-                        return
+            watcher = self.watchers[k % len(self.watchers)]
+            self.tasks.append(asyncio.create_task(self._leader(rep, watcher)))
+            k += 1
+            if k % s.open_batch == 0:
+                # At most two batches opening at once: a burst of thousands of new calls is
+                # partly cancelled by grpc, and starves the service's heartbeats.
+                wait_until = min(end, time.monotonic() + 5.0)
+                while (
+                    self.counters["streams_live"] < k - s.open_batch
+                    and time.monotonic() < wait_until
+                ):
+                    await asyncio.sleep(0.005)
+                if time.monotonic() > end:
+                    return
 
     async def close(self) -> None:
         self.closing = True
@@ -145,48 +159,57 @@ class Ranks:
         for channel in self.channels:
             await channel.close(None)
 
-    async def _rank(self, rep: Replica, i: int, watcher: AsyncQuorumClient) -> None:
-        """One rank's RingWatch: follows its stream, reopens it after a failure."""
-        while not self.closing and rep.rank_alive[i]:
-            stream = watcher.watch()
+    async def _leader(self, rep: Replica, watcher: AsyncQuorumClient) -> None:
+        """The leader's RingWatch: follows its stream, reopens it after a failure."""
+        while not self.closing and rep.rank_alive[0]:
+            incarnation = rep.incarnation
+            stream = watcher.watch(holder=(rep.name, incarnation))
             try:
                 async for event in stream:
-                    self._on_event(rep, i, event)
-                    del event  # a 1,536-member event is ~100 KB: hold none per rank
-                    if not rep.rank_alive[i]:
+                    rep.held = incarnation  # the service accepted it: its snapshot came
+                    self._on_event(rep, event)
+                    del event  # a 1,536-member event is ~100 KB: hold none per replica
+                    if not rep.rank_alive[0]:
                         break
             except (QuorumError, grpc.RpcError):
                 self.counters["stream_errors"] += 1
+            rep.held = 0
             stream.cancel()
-            if not self.closing and rep.rank_alive[i]:
+            if not self.closing and rep.rank_alive[0]:
                 await asyncio.sleep(self.settings.watch_retry_s)
 
-    def _on_event(self, rep: Replica, i: int, event: MembershipEvent) -> None:
+    def _on_event(self, rep: Replica, event: MembershipEvent) -> None:
+        """The leader got `event`: each rank gets it `depth x hop` later through the relays."""
         now = time.monotonic()
         self.counters["events"] += 1
         self.counters["event_bytes"] += self._event_bytes(event)
-        if not rep.live[i]:
-            rep.live[i] = True
+        self.counters["relay_frames"] += sum(rep.rank_alive) - 1
+        if not rep.live:
+            rep.live = True
             self.counters["streams_live"] += 1
         if event.kind not in ("evicted", "left") or event.replica_id is None:
             return
         self.first_seen.setdefault(event.replica_id, now)
         if event.replica_id == rep.name:
             if event.teardown:  # its ranks exit (Manager._torn_down)
-                rep.rank_alive[i] = False
+                rep.rank_alive = [False] * self.shape.ranks
                 rep.alive = False
                 rep.torn_down = True
-            elif i == 0:
+            else:
                 self.foreign_evictions.append(f"{rep.name}: {event.reason}")
             return
-        if rep.armed and event.replica_id in rep.ring and math.isnan(rep.aborted[i]):
-            self.abort(rep, i, now)
+        if rep.armed and event.replica_id in rep.ring:
+            hop = self.settings.relay_hop_s
+            for i in range(self.shape.ranks):
+                if rep.rank_alive[i] and math.isnan(rep.aborted[i]):
+                    self.abort(rep, i, now + self._depth[i] * hop)
 
-    def abort(self, rep: Replica, i: int, now: float) -> None:
-        rep.aborted[i] = now
+    def abort(self, rep: Replica, i: int, at: float) -> None:
+        """Rank `i` aborts its exchange at `at`; the replica votes no once all its ranks have."""
+        rep.aborted[i] = at
         rep.pending -= 1
         if rep.pending == 0:
-            rep.voted_at = now
+            rep.voted_at = max(t for t in rep.aborted if not math.isnan(t))
             rep.vote.set()
 
     def _event_bytes(self, event: MembershipEvent) -> int:

@@ -69,7 +69,7 @@ def _setup(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         "",
         f"{'setup':<{W}}{'done':>22}{'s':>9}",
         f"{'  leaders joined':<{W}}{joined:>22}{_f(st['join_s'], '.1f'):>9}",
-        f"{'  rank Watch streams live (snapshot received)':<{W}}{live:>22}"
+        f"{'  leader Watch streams live (snapshot received)':<{W}}{live:>22}"
         f"{_f(st['setup_s'], '.1f'):>9}",
         f"  quorum service RSS with every stream open: {_mb(st.get('quorum_rss_bytes'))}",
     ]
@@ -146,6 +146,14 @@ def _failures(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
     work = _plan_work(result)
     if work:
         lines.append(f"  plan work per leader/rank, once per process: {work}")
+    relay = result.get("relay")
+    if relay:
+        lines.append(
+            f"  ranks hear events through the relay tree: {relay['fanout']} children a rank, "
+            f"one hop {relay['hop_s_p50'] * 1e3:.2f} ms p50 / {relay['hop_s_p99'] * 1e3:.2f} ms "
+            f"p99 (real code, loopback), p99 used: depth {relay['depth']} -> "
+            f"{relay['depth'] * relay['hop_s_p99'] * 1e3:.1f} ms after the leader"
+        )
     lines.append("  the in-replica broadcast of the plan is not emulated (it needs torch)")
     return lines
 

@@ -717,12 +717,24 @@ class WatchRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """Optional: the replica whose leader opens this stream, with its current incarnation. While
+    such a stream is open the replica counts as alive and needs no Heartbeat calls: the service
+    pings the connection (gRPC keepalive) and a dead or stopped leader's stream ends within
+    about two seconds, from when its heartbeat timeout runs. A stale incarnation is refused.
+    """
+    incarnation: _builtins.int
     def __init__(
         self,
+        *,
+        replica_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

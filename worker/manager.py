@@ -39,7 +39,7 @@ from fthsdp.worker.manager_ring import (
     ring_config,
 )
 from fthsdp.worker.metrics import WorkerMetrics
-from fthsdp.worker.notice_relay import parent_of, relay_for
+from fthsdp.worker.notice_relay import parent_of
 from fthsdp.worker.peer_state import PeerState, StateFetchError
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.plan_channel import PlanChannel
@@ -125,11 +125,7 @@ class Manager:
         self._stop = threading.Event()
         self._fetch_cancel = threading.Event()
         """Set to stop the catch-up fetch in flight (its attempt failed, or the manager closes)."""
-        host = self._ring.address.rpartition(":")[0]
-        self._relay = relay_for(group.rank, group.world_size, host, config.token)
-        self._endpoints, relays = gather_endpoints(
-            group, self._ring.address, config.checkpoint_url, self._relay
-        )
+        self._relay, self._endpoints, relays = gather_endpoints(group, self._ring.address, config)
         self._step_started: float | None = None
         self._records = (
             PositionRecords(self._peer_state, self._executor, config.position_record_interval)
@@ -170,12 +166,16 @@ class Manager:
             ),
             relay=self._relay,
             upstream=None if (parent := parent_of(group.rank)) is None else relays[parent],
+            incarnation=None if self._link is None else self._link.current_incarnation,
         )
         self._threads = [self._watch.thread]
         if self._link is not None:
             self._threads.append(
                 threading.Thread(
-                    target=self._link.heartbeat_loop, name="fthsdp-heartbeat", daemon=True
+                    target=self._link.heartbeat_loop,
+                    args=(self._watch,),
+                    name="fthsdp-heartbeat",
+                    daemon=True,
                 )
             )
         for thread in self._threads:

@@ -9,7 +9,7 @@ from fthsdp.services.quorum.client import RankEndpoint
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.ftar import FtarAbortedError, FtarConfig, FtarRing
 from fthsdp.worker.ftar.auth import ring_key
-from fthsdp.worker.notice_relay import NoticeRelay
+from fthsdp.worker.notice_relay import NoticeRelay, relay_for
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.ring_watch import RingWatch
@@ -61,14 +61,17 @@ def ensure_ring(ring: FtarRing, watch: RingWatch, plan: StepPlan, replica_id: st
 
 
 def gather_endpoints(
-    group: ReplicaGroup, ring_address: str, checkpoint_url: str, relay: NoticeRelay | None
-) -> tuple[list[RankEndpoint], list[str]]:
-    """Every rank's endpoints (a collective), and its notice relay's address ("" for a leaf)."""
-    mine = f"{ring_address}|{checkpoint_url}|{relay.address if relay else ''}".encode()
+    group: ReplicaGroup, ring_address: str, config: ManagerConfig
+) -> tuple[NoticeRelay | None, list[RankEndpoint], list[str]]:
+    """This rank's notice relay (None for a leaf; on the ring's host), then every rank's
+    endpoints and relay address ("" for a leaf): a collective."""
+    host = ring_address.rpartition(":")[0]
+    relay = relay_for(group.rank, group.world_size, host, config.token)
+    mine = f"{ring_address}|{config.checkpoint_url}|{relay.address if relay else ''}".encode()
     endpoints, relays = [], []
     for raw in group.all_gather_bytes(mine):
         ftar, _, rest = raw.decode().partition("|")
         checkpoint, _, relay_address = rest.rpartition("|")
         endpoints.append(RankEndpoint(ftar=ftar, checkpoint=checkpoint))
         relays.append(relay_address)
-    return endpoints, relays
+    return relay, endpoints, relays

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from typing import Protocol
 
 from fthsdp.services.quorum.client import (
     QuorumClient,
@@ -25,6 +26,14 @@ from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.plan import encode_failure, encode_quorum
 
 log = logging.getLogger(__name__)
+
+
+class HeldStream(Protocol):
+    """The leader's Watch stream, as far as heartbeats care (`RingWatch`)."""
+
+    def holds(self, incarnation: int) -> bool: ...
+
+    def renew_for(self, incarnation: int) -> None: ...
 
 
 class QuorumLink:
@@ -44,6 +53,10 @@ class QuorumLink:
         """Monotonic time a quorum request last went out or was answered (0: none got through)."""
         self._down = False
         """The last step went on without the quorum service."""
+
+    def current_incarnation(self) -> int:
+        """`incarnation`, as a callable for whom follows it (the leader's Watch stream)."""
+        return self.incarnation
 
     @property
     def incarnation(self) -> int:
@@ -102,14 +115,21 @@ class QuorumLink:
         grace = self._config.control_plane_grace
         return timedelta(0) if self._down or grace is None else grace
 
-    def heartbeat_loop(self) -> None:
+    def heartbeat_loop(self, watch: HeldStream | None = None) -> None:
         """Thread body until `stop`: beats only when no quorum request reached the service
         within the interval. Asking for a quorum (and waiting in one) counts as alive there,
         so while steps are faster than the interval the per-step request is the heartbeat and
-        this thread stays quiet."""
+        this thread stays quiet; so does the leader's Watch stream (`watch`) while it holds the
+        current incarnation: the service pings its connection instead, no call per beat."""
         interval = self._config.heartbeat_interval.total_seconds()
         delay = interval
         while not self._stop.wait(delay):
+            if watch is not None:
+                incarnation = self.incarnation
+                if watch.holds(incarnation):
+                    delay = interval
+                    continue
+                watch.renew_for(incarnation)
             quiet = time.monotonic() - self._last_contact
             if quiet < interval:
                 delay = interval - quiet

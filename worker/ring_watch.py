@@ -45,10 +45,15 @@ class RingWatch:
         on_teardown: Callable[[MembershipEvent], None] | None = None,
         relay: NoticeRelay | None = None,
         upstream: str | None = None,
+        incarnation: Callable[[], int] | None = None,
     ) -> None:
         self._config = config
         self._relay = relay
         self._upstream = upstream
+        self._incarnation = incarnation
+        """The leader's: its replica's current incarnation, which its stream keeps alive."""
+        self._held: int | None = None
+        """The incarnation the open stream keeps alive (its snapshot arrived), if any."""
         self._ring = ring
         self._plan = plan
         self._stop = stop
@@ -104,9 +109,26 @@ class RingWatch:
             yield from upstream
             return
         assert self._client is not None
-        stream = self._stream = self._client.watch()
-        for event in stream:
-            yield event, encode_event(event) if self._relay is not None else b""
+        incarnation = self._incarnation() if self._incarnation is not None else None
+        holder = None if incarnation is None else (self._config.replica_id, incarnation)
+        stream = self._stream = self._client.watch(holder=holder)
+        try:
+            for event in stream:
+                self._held = incarnation  # the service accepted it: its snapshot came
+                yield event, encode_event(event) if self._relay is not None else b""
+        finally:
+            self._held = None
+
+    def holds(self, incarnation: int) -> bool:
+        """Whether the open stream keeps `incarnation` alive (no heartbeat needed)."""
+        return self._held == incarnation
+
+    def renew_for(self, incarnation: int) -> None:
+        """After a rejoin: ends a stream that keeps an older incarnation alive, so the next one
+        holds `incarnation` (the thread reopens it at once)."""
+        held, stream = self._held, self._stream
+        if held is not None and held != incarnation and stream is not None:
+            stream.cancel()
 
     def _parent_died(self, reason: str) -> None:
         """The rank feeding this one died: this replica lost a rank, as a teardown says."""

@@ -162,6 +162,12 @@ class QuorumDecodeCache:
             return quorum
 
 
+def _watch_request(holder: tuple[str, int] | None) -> pb.WatchRequest:
+    if holder is None:
+        return pb.WatchRequest()
+    return pb.WatchRequest(replica_id=holder[0], incarnation=holder[1])
+
+
 def _join_request(replica_id: str, ranks: Sequence[RankEndpoint]) -> pb.JoinRequest:
     return pb.JoinRequest(
         replica_id=replica_id, world_size=len(ranks), ranks=codec.ranks_to_pb(ranks)
@@ -319,12 +325,16 @@ class QuorumClient(_ClientSettings):
         response = self._call("Status", pb.StatusRequest(history_limit=history_limit))
         return codec.status_from_pb(response)
 
-    def watch(self, *, timeout: timedelta | None = None) -> WatchStream:
+    def watch(
+        self, *, timeout: timedelta | None = None, holder: tuple[str, int] | None = None
+    ) -> WatchStream:
         """Membership events, the first being a `snapshot`; blocks between events. End it with
-        `cancel()` on the stream or `close()` on the client, from any thread."""
+        `cancel()` on the stream or `close()` on the client, from any thread. `holder`: the
+        replica (and incarnation) whose leader opens it, kept alive without heartbeats while
+        the stream is open."""
         index = self._failover.current
         call = self._stubs[index].Watch(
-            pb.WatchRequest(),
+            _watch_request(holder),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )
@@ -474,11 +484,14 @@ class AsyncQuorumClient(_ClientSettings):
         response = await self._call("Status", pb.StatusRequest(history_limit=history_limit))
         return codec.status_from_pb(response)
 
-    def watch(self, *, timeout: timedelta | None = None) -> AsyncWatchStream:
-        """Membership events, the first being a `snapshot`; end it with `cancel()` or `close()`."""
+    def watch(
+        self, *, timeout: timedelta | None = None, holder: tuple[str, int] | None = None
+    ) -> AsyncWatchStream:
+        """Membership events, the first being a `snapshot`; end it with `cancel()` or `close()`.
+        `holder` as in `QuorumClient.watch`."""
         index = self._failover.current
         call = self._stubs[index].Watch(
-            pb.WatchRequest(),
+            _watch_request(holder),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )

@@ -247,7 +247,7 @@ class Coordinator:
                 step=state.last_step.get(reg.replica_id),
                 live=state.is_live(reg.replica_id, now, hb),
                 waiting=reg.replica_id in state.waiting,
-                last_seen_ago=timedelta(seconds=max(0.0, now - state.last_seen[reg.replica_id])),
+                last_seen_ago=timedelta(seconds=max(0.0, now - state.seen(reg.replica_id, now))),
                 ranks=reg.ranks,
             )
             for reg in sorted(state.registered.values(), key=lambda r: r.replica_id)
@@ -265,14 +265,23 @@ class Coordinator:
             quorums=tuple(_summary(r) for r in records),
         )
 
-    def subscribe(self) -> Subscription:
-        """A new event stream; its first event is a `snapshot` of the current membership."""
+    def subscribe(self, holder: tuple[str, int] | None = None) -> Subscription:
+        """A new event stream; its first event is a `snapshot` of the current membership. With
+        `holder` (replica id, incarnation: the stream of that replica's leader), the replica
+        counts as alive until `unsubscribe` (StaleIncarnationError for an old incarnation)."""
         self._ensure_open()
-        return self._events.subscribe(self._event("snapshot", None, "current state"))
+        if holder is not None:
+            self._state.hold(*holder)
+        sub = self._events.subscribe(self._event("snapshot", None, "current state"))
+        sub.holder = holder
+        return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        """Ends delivery to a stream."""
+        """Ends delivery to a stream (and its hold: the heartbeat timeout runs from now)."""
         self._events.unsubscribe(sub)
+        if sub.holder is not None:
+            self._state.release(*sub.holder, self._clock())
+            sub.holder = None
 
     def poll(self) -> None:
         """Evicts expired replicas and re-evaluates the round (timers call it; tests too)."""

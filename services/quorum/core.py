@@ -206,6 +206,7 @@ class CoreState:
     __slots__ = (
         "expected",
         "expected_waiting",
+        "held",
         "issued",
         "last_quorum_id",
         "last_seen",
@@ -229,6 +230,9 @@ class CoreState:
         """Their sum: an answer listing the membership stays under it (Join admission checks it
         in O(1), not O(registered ranks) per Join: O(replicas^2) while a job starts)."""
         self.issued: dict[str, int] = {}
+        self.held: dict[str, tuple[int, int]] = {}
+        """Replica -> (incarnation, open streams): its leader's Watch streams that keep it alive
+        without heartbeats (`hold`)."""
         self.last_seen: dict[str, float] = {}
         self.last_step: dict[str, int] = {}
         self.waiting: dict[str, Ask] = {}
@@ -246,6 +250,7 @@ class CoreState:
     def register(self, reg: Registration, now: float) -> Registration | None:
         """Adds (or replaces with a newer incarnation) a replica; returns the superseded one."""
         old = self.remove(reg.replica_id)
+        self.held.pop(reg.replica_id, None)  # streams of another incarnation keep nothing alive
         self.registered[reg.replica_id] = reg
         size = self.member_bytes[reg.replica_id] = membership_bytes(reg.ranks)
         self.membership_bytes += size
@@ -264,6 +269,7 @@ class CoreState:
         if reg is None:
             return None
         self.membership_bytes -= self.member_bytes.pop(replica_id)
+        self.held.pop(replica_id, None)
         self.drop_ask(replica_id)
         self.not_waiting.discard(replica_id)
         self.newcomers.discard(replica_id)
@@ -296,6 +302,28 @@ class CoreState:
         """Records a sign of life."""
         if replica_id in self.registered:
             self.last_seen[replica_id] = max(now, self.last_seen.get(replica_id, now))
+
+    def seen(self, replica_id: str, now: float) -> float:
+        """When the replica was last known alive: now while a stream holds it."""
+        return now if replica_id in self.held else self.last_seen[replica_id]
+
+    def hold(self, replica_id: str, incarnation: int) -> None:
+        """One more open stream of this incarnation keeps the replica alive; raises as `check`
+        does for an incarnation that is not the current one."""
+        self.check(replica_id, incarnation)
+        inc, count = self.held.get(replica_id, (incarnation, 0))
+        self.held[replica_id] = (incarnation, count + 1 if inc == incarnation else 1)
+
+    def release(self, replica_id: str, incarnation: int, now: float) -> None:
+        """One such stream ended: when it was the last, the heartbeat timeout runs from now."""
+        inc, count = self.held.get(replica_id, (0, 0))
+        if inc != incarnation or count == 0:
+            return  # superseded or removed meanwhile: nothing of this incarnation is held
+        if count > 1:
+            self.held[replica_id] = (inc, count - 1)
+            return
+        del self.held[replica_id]
+        self.touch(replica_id, now)
 
     # -- the round --
 
@@ -357,8 +385,9 @@ class CoreState:
         """Waiting in the round, or heard from within `timeout` seconds."""
         if replica_id in self.waiting:
             return True
-        seen = self.last_seen.get(replica_id)
-        return seen is not None and now - seen < timeout
+        if replica_id not in self.last_seen:
+            return False
+        return now - self.seen(replica_id, now) < timeout
 
 
 # ---- decisions ------------------------------------------------------------------------------
@@ -383,14 +412,14 @@ def decide(now: float, state: CoreState, config: QuorumConfig) -> tuple[Decision
     if not fast and now < join_deadline:
         # Common case while a round fills: a live replica has not asked yet. O(1) in practice.
         for rid in state.not_waiting:
-            if now - state.last_seen[rid] < hb and state.counts(rid):
+            if now - state.seen(rid, now) < hb and state.counts(rid):
                 return Decision(form=False, wake_at=join_deadline), (
                     f"{asked} asked; waiting for live replicas that have not (e.g. {rid})"
                 )
     stragglers = [
-        state.last_seen[r] + hb
+        state.seen(r, now) + hb
         for r in state.not_waiting
-        if now - state.last_seen[r] < hb and state.counts(r)
+        if now - state.seen(r, now) < hb and state.counts(r)
     ]
     live = asked + len(stragglers)
     next_expiry = min(stragglers) if stragglers else None
@@ -424,7 +453,7 @@ def expired(now: float, state: CoreState, config: QuorumConfig) -> tuple[list[st
     gone: list[str] = []
     next_expiry: float | None = None
     for rid in state.not_waiting:
-        expiry = state.last_seen[rid] + hb
+        expiry = state.seen(rid, now) + hb
         if expiry <= now:
             gone.append(rid)
         elif next_expiry is None or expiry < next_expiry:

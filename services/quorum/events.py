@@ -14,6 +14,8 @@ class Subscription:
     def __init__(self, size: int) -> None:
         self.queue: asyncio.Queue[MembershipEvent | None] = asyncio.Queue(maxsize=size)
         self.overflowed = False
+        self.holder: tuple[str, int] | None = None
+        """The replica (and incarnation) this stream keeps alive, if its leader opened it."""
 
     def offer(self, event: MembershipEvent | None) -> None:
         """Queues an event; a subscriber that fell `size` events behind is cut off."""

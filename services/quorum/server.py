@@ -28,6 +28,7 @@ from fthsdp.services.common.errors import ERROR_CODE_KEY, grpc_failure
 from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
+from fthsdp.services.quorum import core
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator
 from fthsdp.services.quorum.core import Formation
@@ -205,9 +206,12 @@ class _Servicer:
     async def _watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
+        holder = None
         try:
+            if request.replica_id:
+                holder = (core.check_id(request.replica_id), request.incarnation)
             coordinator = self._leader()[0]
-            sub = coordinator.subscribe()
+            sub = coordinator.subscribe(holder)
         except QuorumError as exc:
             code, kind, message = status_for(exc)
             context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))
@@ -281,7 +285,12 @@ class QuorumServer:
             options=[
                 ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                # Clients ping every second during calls (a blackholed leader is noticed in
+                # ~2 s); the service pings too, so a dead or stopped leader's Watch stream, which
+                # keeps its replica alive without heartbeats, ends within ~2 s.
+                ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                ("grpc.keepalive_time_ms", 1_000),
+                ("grpc.keepalive_timeout_ms", 1_000),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.so_reuseport", 0),
                 # Every replica leader holds a long poll open, and all of a round's next asks

@@ -178,16 +178,17 @@ def test_percentiles_and_client_rounds() -> None:
 
 def test_setup_counts_joins_and_live_streams_over_clients() -> None:
     shape = Shape(replicas=4, ranks=16)
-    ok = {"joined": 2, "join_errors": [], "join_s": 0.1, "streams_total": 32, "setup_s": 2.0}
+    ok = {"joined": 2, "join_errors": [], "join_s": 0.1, "streams_total": 2, "setup_s": 2.0}
     answers = [
-        {**ok, "streams_live": 32},
-        {**ok, "joined": 1, "join_errors": ["replica-003: world_size"], "streams_live": 10},
-    ]
+        {**ok, "streams_live": 2},
+        {**ok, "joined": 1, "join_errors": ["replica-003: world_size"], "streams_total": 1,
+         "streams_live": 0},
+    ]  # fmt: skip
     result = setup_result(answers, shape, 240.0)
-    assert (result["joined"], result["streams_live"], result["streams_total"]) == (3, 42, 64)
+    assert (result["joined"], result["streams_live"], result["streams_total"]) == (3, 2, 3)
     assert result["incomplete"] == [
         "leaders joined: 3 / 4: replica-003: world_size",
-        "rank Watch streams live: 42 / 48 after 240 s",
+        "leader Watch streams live: 2 / 3 after 240 s",
     ]
 
 
