@@ -166,7 +166,8 @@ class Ranks:
             stream = watcher.watch(holder=(rep.name, incarnation))
             try:
                 async for event in stream:
-                    rep.held = incarnation  # the service accepted it: its snapshot came
+                    if event.kind == "snapshot":  # it names the incarnation it keeps alive
+                        rep.held = incarnation if event.incarnation == incarnation else 0
                     self._on_event(rep, event)
                     del event  # a 1,536-member event is ~100 KB: hold none per replica
                     if not rep.rank_alive[0]:

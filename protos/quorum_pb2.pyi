@@ -723,7 +723,8 @@ class WatchRequest(_message.Message):
     """Optional: the replica whose leader opens this stream, with its current incarnation. While
     such a stream is open the replica counts as alive and needs no Heartbeat calls: the service
     pings the connection (gRPC keepalive) and a dead or stopped leader's stream ends within
-    about two seconds, from when its heartbeat timeout runs. A stale incarnation is refused.
+    about two seconds, from when its heartbeat timeout runs. The SNAPSHOT names the incarnation
+    it holds; a stale one gets a plain stream (its SNAPSHOT names none).
     """
     incarnation: _builtins.int
     def __init__(
@@ -764,7 +765,9 @@ class WatchResponse(_message.Message):
     teardown: _builtins.bool
     """EVICTED: the report asked for the replica to be torn down (see ReportFailureRequest)."""
     incarnation: _builtins.int
-    """JOINED, LEFT, EVICTED: the incarnation concerned (0 for the other kinds)."""
+    """JOINED, LEFT, EVICTED: the incarnation concerned; SNAPSHOT: the incarnation this stream keeps
+    alive (WatchRequest), else 0; 0 for QUORUM.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """SNAPSHOT: the registered replica ids, sorted; QUORUM: the quorum's members. Empty for the

@@ -114,7 +114,9 @@ class RingWatch:
         stream = self._stream = self._client.watch(holder=holder)
         try:
             for event in stream:
-                self._held = incarnation  # the service accepted it: its snapshot came
+                if event.kind == "snapshot" and incarnation is not None:
+                    # The service names the incarnation it keeps alive (none for a stale one).
+                    self._held = incarnation if event.incarnation == incarnation else None
                 yield event, encode_event(event) if self._relay is not None else b""
         finally:
             self._held = None

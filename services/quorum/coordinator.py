@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -268,11 +269,19 @@ class Coordinator:
     def subscribe(self, holder: tuple[str, int] | None = None) -> Subscription:
         """A new event stream; its first event is a `snapshot` of the current membership. With
         `holder` (replica id, incarnation: the stream of that replica's leader), the replica
-        counts as alive until `unsubscribe` (StaleIncarnationError for an old incarnation)."""
+        counts as alive until `unsubscribe`, and the snapshot names that incarnation; a holder
+        that is not a current incarnation gets a plain stream (its events still matter to it),
+        and a snapshot without one."""
         self._ensure_open()
         if holder is not None:
-            self._state.hold(*holder)
-        sub = self._events.subscribe(self._event("snapshot", None, "current state"))
+            try:
+                self._state.hold(*holder)
+            except (StaleIncarnationError, UnknownReplicaError):
+                holder = None
+        snapshot = self._event("snapshot", None, "current state")
+        if holder is not None:
+            snapshot = dataclasses.replace(snapshot, incarnation=holder[1])
+        sub = self._events.subscribe(snapshot)
         sub.holder = holder
         return sub
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from fthsdp.services.quorum.client import AsyncQuorumClient, QuorumClient, StaleIncarnationError
+from fthsdp.services.quorum.client import AsyncQuorumClient, QuorumClient
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.server import QuorumServer, QuorumServerThread
 from tests.integration.conftest import eventually
@@ -51,17 +51,29 @@ async def test_an_open_leader_stream_keeps_its_replica_alive_and_its_end_starts_
         assert time.monotonic() - ended >= HEARTBEAT.total_seconds() * 0.9
 
 
-async def test_a_stale_incarnation_is_refused_and_holds_nothing(
+async def test_a_stale_incarnation_gets_a_plain_stream_that_holds_nothing(
     make_quorum_server: Callable[..., Awaitable[QuorumServer]], token: str
 ) -> None:
     server = await make_quorum_server(heartbeat_timeout=HEARTBEAT)
     async with AsyncQuorumClient(server.address, token) as client:
         first = await client.join("r", [RANK])
-        await client.join("r", [RANK])  # a restart: the first incarnation is superseded
-        with pytest.raises(StaleIncarnationError):
-            async for _ in client.watch(holder=("r", first)):
-                pass
+        second = await client.join("r", [RANK])  # a restart: the first is superseded
+        stale = client.watch(holder=("r", first))
+        events = aiter(stale)
+        snapshot = await anext(events)
+        assert (snapshot.kind, snapshot.incarnation) == ("snapshot", None)
         await eventually(lambda: _gone(client, "r"))
+        # The stream still carries events: the eviction, then a rejoin.
+        evicted = await anext(events)
+        assert (evicted.kind, evicted.incarnation) == ("evicted", second)
+        third = await client.join("r", [RANK])
+        joined = await anext(events)
+        assert (joined.kind, joined.incarnation) == ("joined", third)
+        assert third > second
+        held = client.watch(holder=("r", third))
+        assert (await anext(aiter(held))).incarnation == third
+        stale.cancel()
+        held.cancel()
 
 
 def test_a_killed_leaders_stream_ends_and_its_replica_is_evicted(
