@@ -134,7 +134,7 @@ class QuorumDecodeCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._known: Quorum | None = None
-        self._memo: dict[bytes, Quorum] = {}
+        self._memo: dict[tuple[object, ...], Quorum] = {}
 
     @property
     def known_quorum_id(self) -> int:
@@ -145,7 +145,7 @@ class QuorumDecodeCache:
     def decode(self, msg: pb.QuorumResponse) -> Quorum | None:
         """The complete quorum, or None when the message leaves out members or endpoints this
         cache does not hold (another client sharing it moved it on): ask again without."""
-        key = msg.SerializeToString(deterministic=True)
+        key = _memo_key(msg)
         with self._lock:
             quorum = self._memo.get(key)
             if quorum is not None:
@@ -160,6 +160,21 @@ class QuorumDecodeCache:
                 self._memo.clear()
             self._memo[key] = quorum
             return quorum
+
+
+def _memo_key(msg: pb.QuorumResponse) -> tuple[object, ...]:
+    """What tells two answers apart, without re-serializing one of megabytes: a quorum id names
+    one membership with its incarnations and so its endpoints (I3); the steps and sources are
+    what moves within it."""
+    return (
+        msg.quorum_id,
+        msg.max_step,
+        msg.members_form,
+        msg.reason,
+        tuple((m.replica_id, m.step, len(m.ranks)) for m in msg.members),
+        tuple((m.replica_id, m.step) for m in msg.lagging),
+        tuple((a.replica_id, tuple(a.first_source)) for a in msg.recovering),
+    )
 
 
 def _watch_request(holder: tuple[str, int] | None) -> pb.WatchRequest:
