@@ -36,7 +36,7 @@ from fthsdp.services.quorum.client import (
     Quorum,
     QuorumDecodeCache,
 )
-from fthsdp.worker.plan import decode_plan, encode_quorum, steady_max_step
+from fthsdp.worker.plan import decode_plan, encode_steady, steady_max_step
 
 REPORT = "/fthsdp.v1.HealthService/Report"
 T = TypeVar("T")
@@ -80,8 +80,11 @@ class Plans:
     _steady: dict[tuple[int, int], tuple[bytes, bytes, int | None]] = field(default_factory=dict)
     _parsed: dict[int, tuple[bytes, dict[str, int], list[Any]]] = field(default_factory=dict)
 
-    def payload(self, quorum: Quorum, replica_id: str) -> bytes:
-        """The leader's broadcast (`encode_quorum`), shared by leaders whose payload is equal."""
+    def payload(
+        self, quorum: Quorum, replica_id: str, previous: tuple[Quorum, bytes] | None
+    ) -> bytes:
+        """The leader's broadcast (`encode_steady` after its `previous` quorum and payload, as
+        QuorumLink), shared by leaders whose payload is equal."""
         sources = quorum.sources.get(replica_id)
         mine = (replica_id in quorum.healthy and bool(quorum.sources), sources)
         key = (id(quorum), mine if quorum.sources else None)
@@ -89,7 +92,7 @@ class Plans:
         if hit is not None and hit[0] is quorum:
             return hit[1]
         started = time.thread_time()
-        data = encode_quorum(quorum, replica_id)
+        data = encode_steady(previous, quorum, replica_id)
         self.encode_s.append(time.thread_time() - started)
         _bound(self._encoded)
         self._encoded[key] = (quorum, data)

@@ -76,6 +76,8 @@ class Replica:
         self.neighbours: list[tuple[str, str] | None] = [None] * w
         self.ring: frozenset[str] = frozenset()
         self.sent: bytes | None = None
+        self.encoded: tuple[Quorum, bytes] | None = None
+        """Its leader's last quorum and payload (a steady one is re-stamped, not encoded)."""
         self.quorum_id = 0
         self.armed = False
         self.pending = 0
@@ -225,7 +227,8 @@ class Ranks:
     def deliver(self, rep: Replica, quorum: Quorum) -> bool:
         """The leader's broadcast and every rank's plan: in the steady state only max_step
         moves; otherwise each live rank derives its ring neighbours. True if the ring changed."""
-        payload = self.plans.payload(quorum, rep.name)
+        payload = self.plans.payload(quorum, rep.name, rep.encoded)
+        rep.encoded = (quorum, payload)
         if self.plans.steady(rep.sent, payload) is not None:
             return False
         order, members = self.plans.members(payload, rep.name)

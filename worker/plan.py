@@ -79,23 +79,52 @@ def encode_failure(error: str) -> bytes:
     return json.dumps({"error": error or "no quorum"}).encode()
 
 
+_STEP_KEY = b'"max_step":'
+
+
+def _split_at_step(payload: bytes) -> tuple[bytes, int, bytes] | None:
+    """(everything up to the step's digits, the step, what follows) of an encoded quorum; None for
+    anything else. The first `"max_step":` is the top-level key: inside a JSON string every quote is
+    escaped, and no nested object has that key."""
+    at = payload.find(_STEP_KEY)
+    if at < 0:
+        return None
+    start = end = at + len(_STEP_KEY)
+    while end < len(payload) and 48 <= payload[end] <= 57:  # ASCII digits
+        end += 1
+    if end == start:
+        return None
+    return payload[:start], int(payload[start:end]), payload[end:]
+
+
 def steady_max_step(previous: bytes | None, payload: bytes) -> int | None:
     """The new `max_step` if `payload` repeats `previous` in everything but it (the steady
     state: same quorum, same members, the step moved on), else None. Then the leader broadcasts
-    only that number and every rank reuses its previous plan with it."""
-    if previous is None or len(payload) > _MAX_PAYLOAD_BYTES:
+    only that number and every rank reuses its previous plan with it. A byte comparison: at
+    98K ranks a plan is megabytes, and parsing two of them took ~0.1 s a step."""
+    if previous is None:
         return None
-    try:
-        old, new = json.loads(previous), json.loads(payload)
-    except ValueError:
+    old, new = _split_at_step(previous), _split_at_step(payload)
+    if old is None or new is None or old[0] != new[0] or old[2] != new[2]:
         return None
-    if not isinstance(old, dict) or not isinstance(new, dict) or "error" in new or "error" in old:
-        return None
-    step = new.pop("max_step", None)
-    old.pop("max_step", None)
-    if old != new or not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return None
-    return step
+    return new[1]
+
+
+def encode_steady(previous: tuple[Quorum, bytes] | None, quorum: Quorum, replica_id: str) -> bytes:
+    """`encode_quorum`, reusing the previous (quorum, payload) when only the step moved on: the
+    same quorum id (so the same members), the same healthy replicas, nobody recovering."""
+    if previous is not None:
+        last, payload = previous
+        parts = _split_at_step(payload)
+        if (
+            parts is not None
+            and last.quorum_id == quorum.quorum_id
+            and last.healthy == quorum.healthy
+            and not last.sources
+            and not quorum.sources
+        ):
+            return parts[0] + str(quorum.max_step).encode() + parts[2]
+    return encode_quorum(quorum, replica_id)
 
 
 def fallback_payload(plan: StepPlan | None, sent: bytes | None, step: int) -> bytes | None:

@@ -17,13 +17,14 @@ from datetime import timedelta
 from typing import Protocol
 
 from fthsdp.services.quorum.client import (
+    Quorum,
     QuorumClient,
     QuorumUnavailableError,
     RankEndpoint,
     StaleIncarnationError,
 )
 from fthsdp.worker.config import ManagerConfig
-from fthsdp.worker.plan import encode_failure, encode_quorum
+from fthsdp.worker.plan import encode_failure, encode_steady
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class QuorumLink:
         """Monotonic time a quorum request last went out or was answered (0: none got through)."""
         self._down = False
         """The last step went on without the quorum service."""
+        self._encoded: tuple[Quorum, bytes] | None = None
+        """The last quorum answered and its payload (a steady one is re-stamped, not encoded)."""
 
     def current_incarnation(self) -> int:
         """`incarnation`, as a callable for whom follows it (the leader's Watch stream)."""
@@ -86,7 +89,9 @@ class QuorumLink:
                 )
                 self._last_contact = time.monotonic()
                 self._down = False
-                return encode_quorum(quorum, replica)
+                payload = encode_steady(self._encoded, quorum, replica)
+                self._encoded = (quorum, payload)
+                return payload
             except QuorumUnavailableError as exc:
                 self._last_contact = 0.0  # nothing reached the service: heartbeats resume
                 if fallback is None:

@@ -10,6 +10,7 @@ from fthsdp.worker.plan import (
     decode_plan,
     encode_failure,
     encode_quorum,
+    encode_steady,
     fallback_payload,
     steady_max_step,
 )
@@ -78,6 +79,35 @@ def test_only_a_moved_step_is_a_steady_plan() -> None:
     assert steady_max_step(before, encode_quorum(QUORUM, "r1")) is None  # other sources
     assert steady_max_step(before, encode_failure("gone")) is None
     assert steady_max_step(encode_failure("gone"), before) is None
+    assert steady_max_step(before, encode_quorum(replace(QUORUM, max_step=50), "r0")) == 50
+    odd = replace(QUORUM, healthy=('max_step":1', "r2"))  # a key-like id stays escaped
+    assert steady_max_step(encode_quorum(odd, "r0"), encode_quorum(odd, "r0")) == 5
+
+
+def test_a_steady_quorum_is_restamped_exactly_as_it_would_be_encoded() -> None:
+    from dataclasses import replace
+
+    steady = replace(STEADY_BASE, max_step=6)
+    first = encode_quorum(STEADY_BASE, "r0")
+    again = encode_steady((STEADY_BASE, first), steady, "r0")
+    assert again == encode_quorum(steady, "r0")
+    # Anything more than the step goes through the encoder.
+    for changed in (
+        replace(steady, quorum_id=10),
+        replace(steady, healthy=("r0",)),
+        replace(QUORUM, max_step=6),
+    ):
+        assert encode_steady((STEADY_BASE, first), changed, "r0") == encode_quorum(changed, "r0")
+    assert encode_steady(None, steady, "r0") == encode_quorum(steady, "r0")
+
+
+STEADY_BASE = Quorum(
+    quorum_id=9,
+    members=(_member("r0", 5), _member("r1", 5)),
+    max_step=5,
+    healthy=("r0", "r1"),
+    sources={},
+)
 
 
 STEADY = Quorum(
