@@ -324,7 +324,10 @@ def test_the_plan_work_is_done_once_per_distinct_quorum() -> None:
     healthy = tuple(m.replica_id for m in members)
     quorum = Quorum(quorum_id=4, members=members, max_step=3, healthy=healthy)
     plans = Plans()
-    a, b = plans.payload(quorum, replica_name(0)), plans.payload(quorum, replica_name(2))
+    a, b = (
+        plans.payload(quorum, replica_name(0), None),
+        plans.payload(quorum, replica_name(2), None),
+    )
     assert a is b and len(plans.encode_s) == 1
     order, listed = plans.members(a, replica_name(0))
     assert order == {replica_name(r): r for r in range(3)}
