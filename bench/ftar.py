@@ -1,14 +1,16 @@
 """FTAR vs torch.distributed gloo all_reduce on loopback, side by side in one run.
 
-    python -m bench.ftar --ranks 2,4 --sizes-mb 16,64,256 --iters 5 --json bench-ftar.json
+    python -m bench.ftar --ranks 2,4 --sizes-mb 64,256 --dtypes fp32,bf16 --iters 5 \
+        --json bench-ftar.json
 
-For each ring size it starts that many real processes (one rank each) around a TCPStore hosted by
-this launcher; they form an FTAR ring and a gloo process group over the same store, and time both
-on the same float32 tensors, alternating FTAR and gloo each iteration (a barrier before each) so
-that machine noise hits both alike. Per iteration the slowest rank's time counts; the table shows
-medians. Algorithm bandwidth = bytes / time; bus bandwidth = 2(n-1)/n x bytes / time (what a ring
-moves per link; the number to compare with NCCL/gloo). Then the last rank SIGKILLs itself while
-the others start an exchange: rank 0 reports the time to detect the loss, to reconfigure the
+For each ring size it starts that many real processes (one rank each, :mod:`bench.ftar_rank`)
+around a TCPStore hosted by this launcher; they form an FTAR ring and a gloo process group over
+the same store, and time both on the same tensors (``--sizes-mb`` is the tensor's size in bytes,
+whatever its dtype), alternating FTAR and gloo each iteration. The table shows medians: bus
+bandwidth = 2(n-1)/n x bytes / time of the slowest rank (what a ring moves per link; the number
+to compare with NCCL/gloo), and CPU-seconds per GB = the CPU time of all ranks together (user +
+system, every thread) per GB of tensor allreduced. Then the last rank SIGKILLs itself while the
+others start an exchange: rank 0 reports the time to detect the loss, to reconfigure the
 survivors with a new epoch, and the first and a steady exchange after it. Not a pass/fail test.
 """
 
@@ -17,38 +19,51 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore  # typed; dist re-exports them
+from torch._C._distributed_c10d import TCPStore  # typed; dist re-exports it
 
+from fthsdp.bench.ftar_rank import DTYPES, worker
 from fthsdp.worker.ftar import FtarConfig, FtarRing, RecoverableFtarError
 
 ROOT = Path(__file__).resolve().parents[1]
-MB = 1 << 20
-LOSS_MB = 16
+_FORWARDED = (
+    "sizes_mb",
+    "dtypes",
+    "iters",
+    "warmup",
+    "chunk_bytes",
+    "chunks_in_flight",
+    "socket_buffer_bytes",
+    "threads",
+    "wire_compression",
+)
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", default="2,4", help="comma-separated ring sizes")
     p.add_argument("--sizes-mb", default="16,64,256", help="comma-separated tensor sizes (MiB)")
+    p.add_argument("--dtypes", default="fp32", help=f"comma-separated, of {','.join(DTYPES)}")
     p.add_argument("--iters", type=int, default=5, help="timed iterations per size and method")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per size first")
     p.add_argument("--chunk-bytes", type=int, default=FtarConfig().chunk_bytes)
     p.add_argument("--chunks-in-flight", type=int, default=FtarConfig().chunks_in_flight)
     p.add_argument("--socket-buffer-bytes", type=int, default=0, help="0: kernel autotuning")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument(
+        "--wire-compression",
+        default="none",
+        help="comma-separated FtarConfig.wire_compression values, each its own FTAR row "
+        "(none, bf16, fp16; the half ones are lossy and opt-in: see worker.ftar.codec)",
+    )
     p.add_argument("--no-peer-loss", action="store_true", help="skip the peer-loss phase")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--timeout-s", type=float, default=900, help="per ring size")
@@ -56,128 +71,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args()
-
-
-# ---------------------------------------------------------------- worker (one rank)
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _timed_cpu(fn: Any) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, all threads)."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-def _slowest(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t]
-
-
-def _measure(ring: FtarRing, n: int, size_mb: int, args: argparse.Namespace) -> dict[str, Any]:
-    numel = size_mb * MB // 4
-    x = torch.randn(numel)
-    y = x.clone()
-
-    def ftar() -> None:
-        ring.allreduce([x], num_contributors=n).wait()
-
-    def gloo() -> None:
-        dist.all_reduce(y)
-
-    ftar_t, gloo_t, ftar_c, gloo_c = [], [], [], []
-    for i in range(args.warmup + args.iters):
-        dist.barrier()
-        a, ac = _timed_cpu(ftar)
-        dist.barrier()
-        b, bc = _timed_cpu(gloo)
-        y.div_(n)  # keep magnitudes bounded across iterations, as FTAR's average does
-        if i >= args.warmup:
-            ftar_t.append(a)
-            gloo_t.append(b)
-            ftar_c.append(ac)
-            gloo_c.append(bc)
-    ftar_t, gloo_t = _slowest(ftar_t), _slowest(gloo_t)
-    ftar_c, gloo_c = _slowest(ftar_c), _slowest(gloo_c)
-    nbytes = numel * 4
-    f, g = statistics.median(ftar_t), statistics.median(gloo_t)
-    bus = 2 * (n - 1) / n
-    return {
-        "ranks": n,
-        "size_mb": size_mb,
-        "ftar_s": f,
-        "gloo_s": g,
-        "ftar_algbw_gbs": nbytes / f / 1e9,
-        "gloo_algbw_gbs": nbytes / g / 1e9,
-        "ftar_busbw_gbs": bus * nbytes / f / 1e9,
-        "gloo_busbw_gbs": bus * nbytes / g / 1e9,
-        "ratio": g / f,
-        "ftar_cpu_s": statistics.median(ftar_c),
-        "gloo_cpu_s": statistics.median(gloo_c),
-        "ftar_all_s": ftar_t,
-        "gloo_all_s": gloo_t,
-    }
-
-
-def _peer_loss(ring: FtarRing, peers: list[str], rank: int, n: int) -> dict[str, Any] | None:
-    x = torch.randn(LOSS_MB * MB // 4)
-    dist.barrier()
-    if rank == n - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.perf_counter()
-    try:
-        ring.allreduce([x], num_contributors=n).wait()
-        detected = None
-    except RecoverableFtarError as exc:
-        detected = (time.perf_counter() - t0, type(exc).__name__)
-    survivors = peers[:-1]
-    reconf = _timed(lambda: ring.reconfigure(survivors, rank, 2))
-    m = len(survivors)
-    first = _timed(lambda: ring.allreduce([x], num_contributors=m).wait())
-    steady = _timed(lambda: ring.allreduce([x], num_contributors=m).wait())
-    return {
-        "ranks_before": n,
-        "size_mb": LOSS_MB,
-        "detect_s": detected[0] if detected else None,
-        "detect_error": detected[1] if detected else "none (exchange completed)",
-        "reconfigure_s": reconf,
-        "first_exchange_s": first,
-        "steady_exchange_s": steady,
-    }
-
-
-def worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    n, rank = args.world, args.rank
-    store = TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=120))
-    cfg = FtarConfig(
-        chunk_bytes=args.chunk_bytes,
-        chunks_in_flight=args.chunks_in_flight,
-        socket_buffer_bytes=args.socket_buffer_bytes,
-        chunk_timeout=timedelta(seconds=30),
-        exchange_timeout=timedelta(seconds=120),
-    )
-    ring = FtarRing(cfg)
-    store.set(f"ftar/{rank}", ring.address)
-    peers = [store.get(f"ftar/{i}").decode() for i in range(n)]
-    dist.init_process_group("gloo", store=PrefixStore("gloo", store), rank=rank, world_size=n)
-    ring.reconfigure(peers, rank, 1)
-    rows = [_measure(ring, n, int(s), args) for s in args.sizes_mb.split(",")]
-    loss = None if args.no_peer_loss else _peer_loss(ring, peers, rank, n)
-    if rank == 0:
-        print("RESULT " + json.dumps({"rows": rows, "peer_loss": loss}), flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # the gloo group has a dead member now: skip its teardown
-
-
-# ---------------------------------------------------------------- launcher
+    args = p.parse_args()
+    bad = set(args.dtypes.split(",")) - set(DTYPES)
+    if bad:
+        p.error(f"unknown dtypes {sorted(bad)}; choose from {sorted(DTYPES)}")
+    if set(args.wire_compression.split(",")) - {"none", "bf16", "fp16"}:
+        p.error("--wire-compression takes none, bf16, fp16")
+    return args
 
 
 def _abort_latency(trials: int = 20) -> dict[str, float]:
@@ -216,21 +116,9 @@ def _run_ring(n: int, args: argparse.Namespace) -> dict[str, Any]:
         str(n),
         "--store-port",
         str(store.port),
-        "--sizes-mb",
-        args.sizes_mb,
-        "--iters",
-        str(args.iters),
-        "--warmup",
-        str(args.warmup),
-        "--chunk-bytes",
-        str(args.chunk_bytes),
-        "--chunks-in-flight",
-        str(args.chunks_in_flight),
-        "--socket-buffer-bytes",
-        str(args.socket_buffer_bytes),
-        "--threads",
-        str(args.threads),
     ]
+    for name in _FORWARDED:
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.no_peer_loss:
         argv.append("--no-peer-loss")
     procs = [
@@ -255,20 +143,21 @@ def _run_ring(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def _table(rows: list[dict[str, Any]], losses: list[dict[str, Any]]) -> str:
     head = (
-        f"{'ranks':>5} {'MiB':>5} | {'FTAR s':>7} {'algbw':>6} {'busbw':>6} | "
-        f"{'gloo s':>7} {'algbw':>6} {'busbw':>6} | {'FTAR/gloo':>9} | CPU s FTAR/gloo"
+        f"{'ranks':>5} {'MiB':>4} {'dtype':>5} {'wire':>4} | {'FTAR busbw':>10} {'CPU-s/GB':>8} | "
+        f"{'gloo busbw':>10} {'CPU-s/GB':>8} | {'FTAR/gloo':>9} {'CPU ratio':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['ranks']:>5} {r['size_mb']:>5} | {r['ftar_s']:>7.3f} {r['ftar_algbw_gbs']:>6.2f} "
-            f"{r['ftar_busbw_gbs']:>6.2f} | {r['gloo_s']:>7.3f} {r['gloo_algbw_gbs']:>6.2f} "
-            f"{r['gloo_busbw_gbs']:>6.2f} | {r['ratio']:>8.2f}x | "
-            f"{r['ftar_cpu_s']:>7.3f}/{r['gloo_cpu_s']:.3f}"
+            f"{r['ranks']:>5} {r['size_mb']:>4} {r['dtype']:>5} {r['wire_compression']:>4} | "
+            f"{r['ftar_busbw_gbs']:>10.2f} {r['ftar_cpu_s_per_gb']:>8.3f} | "
+            f"{r['gloo_busbw_gbs']:>10.2f} {r['gloo_cpu_s_per_gb']:>8.3f} | "
+            f"{r['ratio']:>8.2f}x {r['ftar_cpu_s'] / r['gloo_cpu_s']:>8.2f}x"
         )
     lines.append(
-        "(bandwidths in GB/s, medians of the slowest rank per iteration; CPU s = process CPU time"
-        " of the busiest rank per op, all threads)"
+        "(busbw in GB/s: medians over iterations of the slowest rank; CPU-s/GB: median CPU time"
+        " of all ranks together, user + system, per GB of tensor; CPU ratio: FTAR/gloo; wire:"
+        " FTAR's wire compression, none = exact)"
     )
     for loss in losses:
         d = loss["detect_s"]
@@ -302,13 +191,11 @@ def main() -> None:
     )
     print(
         f"chunk_bytes={args.chunk_bytes} chunks_in_flight={args.chunks_in_flight} "
-        f"socket_buffer_bytes={args.socket_buffer_bytes} threads={args.threads}"
+        f"socket_buffer_bytes={args.socket_buffer_bytes} threads={args.threads} "
+        f"wire_compression={args.wire_compression}"
     )
     if args.json:
-        config = {
-            k: getattr(args, k)
-            for k in ("chunk_bytes", "chunks_in_flight", "socket_buffer_bytes", "threads", "iters")
-        }
+        config = {k: getattr(args, k) for k in ("ranks", *_FORWARDED)}
         args.json.write_text(
             json.dumps(
                 {"config": config, "rows": rows, "peer_loss": losses, "abort": aborts}, indent=2

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from fthsdp.worker.ftar import FtarAbortedError
-from tests.integration.test_ftar_support import ring_set
+from fthsdp.worker.ftar.codec import reference_allreduce
+from tests.integration.test_ftar_support import FAST, ring_set
 
 pytestmark = pytest.mark.cuda
 
@@ -69,3 +72,22 @@ def test_cuda_failure_leaves_tensors_untouched() -> None:
             work.wait(timeout=10)
         torch.cuda.synchronize()
         assert torch.equal(x, torch.arange(100.0, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_exchange_with_a_bf16_wire_matches_the_reference(dtype: torch.dtype) -> None:
+    """The pinned staging buffer is in the ring's dtype: bf16, converted on the copy."""
+    device = torch.device("cuda", 0)
+    config = dataclasses.replace(FAST, wire_compression="bf16")
+    gen = torch.Generator().manual_seed(5)
+    cpu = [torch.randn(1001, generator=gen).to(dtype) for _ in range(3)]
+    with ring_set(3, config) as rings:
+        xs = [x.to(device) for x in cpu]
+        works = [r.allreduce([x], num_contributors=3) for r, x in zip(rings, xs, strict=True)]
+        for w in works:
+            w.wait(timeout=30)
+        torch.cuda.synchronize()
+    chunk = FAST.chunk_bytes // 2
+    want = reference_allreduce([x.bfloat16() for x in cpu], 3, chunk, torch.bfloat16).to(dtype)
+    for x in xs:
+        assert torch.equal(x.cpu(), want)

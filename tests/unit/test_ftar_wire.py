@@ -44,6 +44,12 @@ def test_config_defaults_are_valid_and_frozen() -> None:
 def test_messages_round_trip() -> None:
     header = wire.ExchangeHeader(7, 3, 1, 4, 1000, 16, 3, b"x" * 32, True)
     assert wire.ExchangeHeader.decode(header.encode()) == header
+    for code in range(3):  # the ring dtype rides in the flags next to the contribute bit
+        for contribute in (False, True):
+            h = wire.ExchangeHeader(7, 3, 1, 4, 1000, 16, 3, b"x" * 32, contribute, code)
+            assert wire.ExchangeHeader.decode(h.encode()) == h
+    with pytest.raises(FatalFtarError):
+        wire.ExchangeHeader(7, 3, 1, 4, 1000, 16, 3, b"x" * 32, True, 4).encode()
     assert wire.Ready.decode(wire.Ready(7, 3).encode()) == wire.Ready(7, 3)
     challenge = wire.Challenge(b"n" * 16)
     assert wire.Challenge.decode(challenge.encode()) == challenge
@@ -132,3 +138,25 @@ def test_flat_buffer_views_span_segments_without_copies() -> None:
     assert sum(v.nbytes for v in views) == 6 * 4
     views[1][:4] = torch.tensor([42.0]).numpy().tobytes()
     assert segs[1][0].item() == 42.0
+
+
+def test_flat_buffer_of_bf16_views_whole_two_byte_elements() -> None:
+    segs = [torch.arange(3.0).bfloat16(), torch.arange(3.0, 8.0).bfloat16()]
+    flat = FlatBuffer(segs)
+    assert (flat.dtype, flat.itemsize, flat.numel) == (torch.bfloat16, 2, 8)
+    views = flat.views(1, 6)  # an odd count of elements across the segment boundary
+    assert [v.nbytes for v in views] == [4, 6]
+    views[1][2:4] = torch.tensor([42.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert segs[1][1].item() == 42.0
+    with pytest.raises(ValueError, match="one dtype"):
+        FlatBuffer([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
+
+
+def test_flat_buffer_takes_one_element_views_of_any_stride() -> None:
+    # numpy-born empty arrays and broadcast 1-element tensors come with stride 0
+    one = torch.ones(1, dtype=torch.bfloat16).as_strided((1,), (0,))
+    empty = torch.ones(0, dtype=torch.bfloat16).as_strided((0,), (0,))
+    flat = FlatBuffer([empty, one, torch.ones(1, dtype=torch.bfloat16)])
+    assert [v.nbytes for v in flat.views(0, 2)] == [2, 2]
+    flat.views(0, 1)[0][:] = torch.tensor([5.0], dtype=torch.bfloat16).view(torch.uint8).numpy()
+    assert one.item() == 5.0

@@ -10,8 +10,10 @@ Public API::
     ring.broken                               # True: reconfigure before the next exchange
     ring.close()
 
-See :mod:`worker.ftar.ring` for the connection scheme and :mod:`worker.ftar.engine` for the
-chunked algorithm; :mod:`worker.ftar.hooks` adapts it to DDP comm hooks.
+See :mod:`worker.ftar.ring` for the connection scheme, :mod:`worker.ftar.engine` for the
+chunked algorithm and :mod:`worker.ftar.codec` for the ring's dtype (exact float32 by default,
+an opt-in half-precision wire) and its sum order; :mod:`worker.ftar.hooks` adapts it to DDP
+comm hooks.
 """
 
 from fthsdp.worker.ftar.config import FtarConfig

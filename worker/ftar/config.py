@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 __all__ = ["FtarConfig"]
 
 _MAX_CHUNK_BYTES = 1 << 30
-_ELEMENT_BYTES = 4  # the wire always carries float32
+_ELEMENT_BYTES = 4  # chunks hold whole float32 (and so half-precision) elements
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,9 +23,9 @@ class FtarConfig:
     """Listener port; 0 picks a free one (read it back from ``FtarRing.address``)."""
 
     chunk_bytes: int = 8 * 1024 * 1024
-    """Pipeline chunk size S in bytes of float32 payload (a multiple of 4). 8 MiB is the paper's
-    choice and measured best on loopback here (bench/ftar.py): bigger chunks mean fewer system
-    calls and thread hand-offs per byte."""
+    """Pipeline chunk size S in bytes of payload (a multiple of 4), whatever the ring dtype.
+    8 MiB is the paper's choice and measured best on loopback here (bench/ftar.py): bigger
+    chunks mean fewer system calls and thread hand-offs per byte."""
 
     chunks_in_flight: int = 2
     """Pipeline depth C: chunk columns started ahead, and reduce buffers held per receiver, so
@@ -47,6 +48,14 @@ class FtarConfig:
 
     socket_buffer_bytes: int = 0
     """SO_SNDBUF/SO_RCVBUF for ring sockets; 0 leaves the kernel's autotuning in charge."""
+
+    wire_compression: Literal["none", "bf16", "fp16"] = "none"
+    """Opt-in lossy ring dtype. ``"none"`` (the default): the ring runs in float32 (half inputs
+    are staged and accumulate in float32). ``"bf16"``/``"fp16"``: it runs in that half dtype,
+    half the wire bytes; inputs of that dtype are reduced in place, others rounded to it once on
+    entry; each ring hop rounds the partial sum, like gloo/NCCL on half tensors. Every rank
+    still ends bitwise identical; the exact sum order is in :mod:`worker.ftar.codec`. Every
+    rank of a ring must agree (checked by each exchange header)."""
 
     max_ring_size: int = 4096
     """Largest ring accepted from a peer's handshake (bounds wire fields before use)."""
@@ -78,10 +87,12 @@ class FtarConfig:
             raise ValueError("socket_buffer_bytes must be 0 (autotune) or in [4096, 1 GiB]")
         if not isinstance(self.auth_key, bytes) or len(self.auth_key) > 1024:
             raise ValueError("auth_key must be bytes, at most 1024 of them")
+        if self.wire_compression not in ("none", "bf16", "fp16"):
+            raise ValueError("wire_compression must be 'none', 'bf16' or 'fp16'")
         if not 1 <= self.max_ring_size <= 1 << 20:
             raise ValueError("max_ring_size must be in [1, 1048576]")
 
     @property
     def chunk_elems(self) -> int:
-        """Chunk size in float32 elements."""
+        """Chunk size in float32 elements (a half-precision ring fits twice as many)."""
         return self.chunk_bytes // _ELEMENT_BYTES

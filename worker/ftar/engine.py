@@ -1,14 +1,21 @@
 """The chunked ring allreduce: plan, flat buffer views, and the three threads that run it.
 
-The flat float32 vector of an exchange is cut into *columns* of ``size x chunk`` elements; each
+The flat vector of an exchange (float32, or a half dtype under wire compression: see
+:mod:`worker.ftar.codec`) is cut into *columns* of ``size x chunk`` elements; each
 column is an independent ring allreduce over ``size`` pieces (the last column is split evenly, so
 pieces may be empty): ``size - 1`` reduce-scatter steps then ``size - 1`` all-gather steps. At RS
 step ``s`` rank ``r`` sends piece ``r - s`` and adds the received piece ``r - s - 1`` into its own
 memory; at the last RS step it divides its finished piece by the number of contributors, so every
 rank ends up with the *same bytes* (computed once, copied around the ring). AG steps receive
-straight into the destination memory. Up to ``chunks_in_flight`` columns are started ahead; a
-column's next step is sent as soon as its previous step arrived, so columns overlap freely and
-every chunk carries a tag (exchange seq, column, step) checked before its payload is read.
+straight into the destination memory: the *result* buffer, which is the flat vector itself or,
+for half-precision inputs of a float32 ring, the caller's own tensors. Then the bytes that need
+no float32 travel narrow (:func:`carrier`): RS step 0 sends raw inputs (exact in their own
+dtype) and all-gather the already rounded results, with the same numbers as an all-float32 ring
+(the float32 sum is rounded once either way); only partial sums travel as float32.
+
+Up to ``chunks_in_flight`` columns are started ahead; a column's next step is sent as soon as its
+previous step arrived, so columns overlap freely and every chunk carries a tag (exchange seq,
+column, step) checked before its payload is read.
 
 Threads (all persistent, one set per ring): the comm thread drives :class:`Pipeline` (adds,
 divides, schedules sends); the sender thread owns the socket to the right neighbour (scatter-
@@ -43,6 +50,7 @@ __all__ = [
     "RecvJob",
     "RingPlan",
     "SendJob",
+    "carrier",
     "receiver_loop",
     "sender_loop",
 ]
@@ -107,11 +115,20 @@ class RingPlan:
 
 
 class FlatBuffer:
-    """A logical flat float32 vector made of contiguous 1-D CPU segments, never copied."""
+    """A logical flat vector made of contiguous 1-D CPU segments of one dtype, never copied."""
 
     def __init__(self, segments: list[torch.Tensor]) -> None:
         self.segments = segments
-        self.bytes = [s.detach().numpy().data.cast("B") for s in segments]
+        self.dtype = segments[0].dtype if segments else torch.float32
+        if any(s.dtype != self.dtype for s in segments):
+            raise ValueError("FlatBuffer segments must share one dtype")
+        self.itemsize = self.dtype.itemsize
+        # Byte views through uint8 (numpy has no bfloat16); they alias the tensors' memory. The
+        # unit stride is restated: a 1-element view may carry any stride, which view() refuses.
+        self.bytes = [
+            s.detach().as_strided((s.numel(),), (1,)).view(torch.uint8).numpy().data
+            for s in segments
+        ]
         self.starts = [0]
         for s in segments:
             self.starts.append(self.starts[-1] + s.numel())
@@ -130,11 +147,29 @@ class FlatBuffer:
 
     def views(self, lo: int, hi: int) -> list[memoryview]:
         """Byte views of elements [lo, hi) (aliases of the segments, for send/recv_into)."""
-        return [self.bytes[k][a * 4 : b * 4] for k, a, b in self._parts(lo, hi)]
+        n = self.itemsize
+        return [self.bytes[k][a * n : b * n] for k, a, b in self._parts(lo, hi)]
 
     def tensors(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Tensor views of elements [lo, hi)."""
         return [self.segments[k][a:b] for k, a, b in self._parts(lo, hi)]
+
+    def copy_from(self, src: FlatBuffer, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of ``src`` into this buffer (converting dtype), segment by segment."""
+        at = lo
+        for dst in self.tensors(lo, hi):
+            off = 0
+            for part in src.tensors(at, at + dst.numel()):
+                dst[off : off + part.numel()].copy_(part)
+                off += part.numel()
+            at += dst.numel()
+
+
+def carrier(plan: RingPlan, step: int, flat: FlatBuffer, result: FlatBuffer) -> FlatBuffer:
+    """The buffer whose bytes travel at ``step``: float32 partial sums from ``flat`` (RS steps
+    after the first); raw inputs (RS step 0) and results (AG) from ``result``, which holds the
+    same values in the narrow dtype when it is not ``flat`` (sender and receiver agree)."""
+    return flat if plan.is_reduce(step) and step > 0 else result
 
 
 @dataclass(slots=True)
@@ -164,6 +199,8 @@ class RecvJob:
     check_header: Callable[[wire.ExchangeHeader], None]
     plan: RingPlan
     flat: FlatBuffer
+    result: FlatBuffer
+    """Where all-gather steps land (``flat`` itself, or the caller's narrower tensors)."""
     slots: list[memoryview]
     free_slots: queue.SimpleQueue[int | None]
     seq: int
@@ -265,7 +302,7 @@ def _receive(job: RecvJob, events: queue.SimpleQueue[Event], counters: list[int]
             slot = got
             wire.recv_exact(sock, job.slots[slot][: tag.nbytes])
         else:
-            for dest in job.flat.views(lo, hi):
+            for dest in job.result.views(lo, hi):
                 wire.recv_exact(sock, dest)
         counters[0] += tag.nbytes + wire.CHUNK_SIZE
         events.put(Event("chunk", job.xid, tag.column, tag.step, slot))
@@ -280,8 +317,9 @@ def _check_tag(job: RecvJob, tag: wire.ChunkHeader, seen: bytearray) -> tuple[in
         raise FtarPeerError(f"duplicate chunk {tag}")
     seen[index] = 1
     lo, hi = plan.piece(tag.column, plan.recv_piece(tag.step))
-    if tag.nbytes != (hi - lo) * 4:
-        raise FtarPeerError(f"chunk {tag} carries {tag.nbytes} bytes, expected {(hi - lo) * 4}")
+    want = (hi - lo) * carrier(plan, tag.step, job.flat, job.result).itemsize
+    if tag.nbytes != want:
+        raise FtarPeerError(f"chunk {tag} carries {tag.nbytes} bytes, expected {want}")
     return lo, hi
 
 
@@ -294,15 +332,18 @@ class Pipeline:
         xid: int,
         plan: RingPlan,
         flat: FlatBuffer,
+        result: FlatBuffer,
         seq: int,
         slots: list[torch.Tensor],
+        scratch: torch.Tensor,
         free_slots: queue.SimpleQueue[int | None],
         send_q: queue.SimpleQueue[SendItem],
         num_contributors: int,
         window: int,
     ) -> None:
-        self.xid, self.plan, self.flat, self.seq = xid, plan, flat, seq
+        self.xid, self.plan, self.flat, self.result, self.seq = xid, plan, flat, result, seq
         self.slots, self.free_slots, self.send_q = slots, free_slots, send_q
+        self.scratch = scratch  # uint8, chunk_bytes: where a narrow chunk is widened to add it
         self.num_contributors = num_contributors
         self.window = window
         self.next_column = 0
@@ -320,7 +361,12 @@ class Pipeline:
         plan = self.plan
         if plan.is_reduce(step):
             lo, hi = plan.piece(column, plan.recv_piece(step))
-            src = self.slots[slot]
+            wire_buf = carrier(plan, step, self.flat, self.result)
+            src = self.slots[slot][: (hi - lo) * wire_buf.itemsize].view(wire_buf.dtype)
+            if src.dtype != self.flat.dtype:
+                # Widen first (exact): torch's mixed-dtype add_ is ~10x slower than copy + add.
+                wide = self.scratch[: (hi - lo) * self.flat.itemsize].view(self.flat.dtype)
+                src = wide.copy_(src)
             at = 0
             for dst in self.flat.tensors(lo, hi):
                 dst.add_(src[at : at + dst.numel()])
@@ -329,6 +375,8 @@ class Pipeline:
             if step == plan.size - 2:
                 for dst in self.flat.tensors(lo, hi):
                     dst.div_(self.num_contributors)
+                if self.result is not self.flat:  # round once, then gather the narrow bytes
+                    self.result.copy_from(self.flat, lo, hi)
         self.pending -= 1
         if step + 1 < plan.steps:
             self._send(column, step + 1)
@@ -338,5 +386,6 @@ class Pipeline:
 
     def _send(self, column: int, step: int) -> None:
         lo, hi = self.plan.piece(column, self.plan.send_piece(step))
-        tag = wire.ChunkHeader(self.seq, column, step, (hi - lo) * 4).encode()
-        self.send_q.put([memoryview(tag), *self.flat.views(lo, hi)])
+        buf = carrier(self.plan, step, self.flat, self.result)
+        tag = wire.ChunkHeader(self.seq, column, step, (hi - lo) * buf.itemsize).encode()
+        self.send_q.put([memoryview(tag), *buf.views(lo, hi)])

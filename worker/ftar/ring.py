@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fthsdp.worker.ftar import conn, wire
+from fthsdp.worker.ftar import codec, conn, wire
 from fthsdp.worker.ftar.config import FtarConfig
 from fthsdp.worker.ftar.engine import Event, receiver_loop, sender_loop
 from fthsdp.worker.ftar.errors import (
@@ -335,11 +335,12 @@ class FtarRing(Reconfigurer, RingSteps):
     def _make_stage(
         self, tensors: list[torch.Tensor], device: torch.device, contribute: bool
     ) -> Stage:
+        dtype = codec.ring_dtype(self.config.wire_compression)
         if device.type == "cuda":
-            return CudaStage(tensors, self._cuda, contribute=contribute)
-        if all(t.dtype == torch.float32 for t in tensors):
+            return CudaStage(tensors, self._cuda, contribute=contribute, dtype=dtype)
+        if all(t.dtype == dtype for t in tensors):
             return DirectStage(tensors)
-        return HostStage(tensors, self._host)
+        return HostStage(tensors, self._host, dtype)
 
     def _drain(self, deadline: float) -> None:
         """Supersede queued/in-flight work and wait for the comm thread to go idle."""

@@ -115,6 +115,8 @@ class RingState:
     _cuda: CudaPools
     _slots: list[torch.Tensor]
     _slot_views: list[memoryview]
+    _scratch: torch.Tensor
+    """Comm thread: where a narrow chunk is widened to float32 before its add."""
     _work_q: queue.SimpleQueue[WorkItem | None]
     _events: queue.SimpleQueue[Event]
     _send_q: queue.SimpleQueue[SendItem]

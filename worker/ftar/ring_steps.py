@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from fthsdp.worker.ftar import wire
+from fthsdp.worker.ftar import codec, wire
 from fthsdp.worker.ftar.engine import (
     EndOfExchange,
     Event,
@@ -133,12 +133,14 @@ class RingSteps(RingState):
         return exc
 
     def _ensure_slots(self) -> None:
+        """Reduce slots as raw bytes (``chunk_bytes`` each), viewed per exchange in its dtype."""
         if not self._slots:
             c = self.config
             self._slots = [
-                torch.empty(c.chunk_elems, dtype=torch.float32) for _ in range(c.chunks_in_flight)
+                torch.empty(c.chunk_bytes, dtype=torch.uint8) for _ in range(c.chunks_in_flight)
             ]
-            self._slot_views = [s.numpy().data.cast("B") for s in self._slots]
+            self._slot_views = [s.numpy().data for s in self._slots]
+            self._scratch = torch.empty(c.chunk_bytes, dtype=torch.uint8)
 
     def _exchange(
         self,
@@ -153,18 +155,21 @@ class RingSteps(RingState):
         c = self.config
         self._xid += 1
         xid = self._xid
+        chunk = c.chunk_bytes // flat.itemsize  # chunk_bytes of payload whatever the dtype
         mine = wire.ExchangeHeader(
             topo.epoch,
             out.seq,
             topo.index,
             topo.size,
             flat.numel,
-            c.chunk_elems,
+            chunk,
             item.num_contributors,
             item.digest,
             item.contribute,
+            codec.wire_code(flat.dtype),
         )
-        plan = RingPlan(flat.numel, topo.size, topo.index, c.chunk_elems)
+        plan = RingPlan(flat.numel, topo.size, topo.index, chunk)
+        result = item.stage.gather_into() or flat
         free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         for i in range(c.chunks_in_flight):
             free.put(i)
@@ -182,6 +187,7 @@ class RingSteps(RingState):
                 lambda h: _check_header(mine, inc.seq, topo.left, h),
                 plan,
                 flat,
+                result,
                 self._slot_views,
                 free,
                 inc.seq,
@@ -193,8 +199,10 @@ class RingSteps(RingState):
             xid=xid,
             plan=plan,
             flat=flat,
+            result=result,
             seq=out.seq,
             slots=self._slots,
+            scratch=self._scratch,
             free_slots=free,
             send_q=self._send_q,
             num_contributors=item.num_contributors,
@@ -272,10 +280,16 @@ def _check_header(
             f"left neighbour {left} thinks it is {theirs.position}/{theirs.size}, "
             f"expected {(mine.position - 1) % mine.size}/{mine.size} in epoch {mine.epoch}"
         )
+    if theirs.wire_dtype != mine.wire_dtype:
+        raise FatalFtarError(
+            f"left neighbour {left} runs the ring in {codec.wire_dtype_of(theirs.wire_dtype)}, "
+            f"this rank in {codec.wire_dtype_of(mine.wire_dtype)}: configure wire_compression "
+            "alike on every rank"
+        )
     if theirs.chunk_elems != mine.chunk_elems:
         raise FatalFtarError(
-            f"left neighbour {left} uses chunk_bytes {theirs.chunk_elems * 4}, "
-            f"this rank {mine.chunk_elems * 4}: configure every rank alike"
+            f"left neighbour {left} uses chunks of {theirs.chunk_elems} elements, this rank "
+            f"{mine.chunk_elems}: configure chunk_bytes alike on every rank"
         )
     if (theirs.numel, theirs.digest, theirs.num_contributors) != (
         mine.numel,

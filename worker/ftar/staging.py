@@ -1,9 +1,12 @@
-"""Where an exchange's flat float32 vector lives, per kind of input.
+"""Where an exchange's flat vector lives, per kind of input. The vector is in the ring's dtype
+(float32, or the half dtype of an opt-in wire compression: :mod:`worker.ftar.codec`).
 
-* float32 CPU tensors: the caller's tensors themselves (sent from and received into in place).
-* bfloat16/float16 CPU tensors: one float32 host buffer owned by the comm thread, so sums
-  accumulate in float32 and are rounded once at the end.
-* CUDA tensors: a pinned float32 host buffer per queued work and a side stream per device. At
+* CPU tensors already in the ring's dtype: the caller's tensors themselves (sent from and
+  received into in place).
+* other CPU tensors (bfloat16/float16 in a float32 ring, or anything in a compressed one): one
+  host buffer in the ring's dtype owned by the comm thread (so half inputs of a float32 ring
+  accumulate in float32 and are rounded once at the end).
+* CUDA tensors: a pinned host buffer per queued work and a side stream per device. At
   enqueue the side stream waits on an event recorded on the caller's current stream and copies
   device -> host; the comm thread polls that copy's event (never blocking the GPU or the caller);
   after the ring it queues the host -> device copy on the side stream and the work completes with
@@ -59,6 +62,11 @@ class Stage:
     ) -> FlatBuffer:
         raise NotImplementedError
 
+    def gather_into(self) -> FlatBuffer | None:
+        """Where a multi-rank ring's all-gather should land results directly (``end`` then
+        copies nothing), or None: into the flat buffer of ``begin``. Called after ``begin``."""
+        return None
+
     def end(self) -> tuple[torch.cuda.Event | None, torch.cuda.Stream | None]:
         """Copy the result out (after success); returns the CUDA completion event and stream."""
         return None, None
@@ -68,7 +76,7 @@ class Stage:
 
 
 class DirectStage(Stage):
-    """float32 CPU: the ring works in the caller's tensors."""
+    """CPU tensors in the ring's dtype: the ring works in the caller's tensors."""
 
     def begin(
         self, *, contribute: bool, deadline: float, cancelled: Callable[[], bool]
@@ -81,45 +89,67 @@ class DirectStage(Stage):
 
 
 class HostBuffer:
-    """A float32 CPU buffer that grows to the largest exchange and is then reused."""
+    """A CPU byte buffer that grows to the largest exchange and is then reused (comm thread)."""
 
     def __init__(self) -> None:
-        self._buf = torch.empty(0, dtype=torch.float32)
+        self._buf = torch.empty(0, dtype=torch.uint8)
 
-    def get(self, numel: int) -> torch.Tensor:
-        if self._buf.numel() < numel:
-            self._buf = torch.empty(numel, dtype=torch.float32)
-        return self._buf[:numel]
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes].view(dtype)
 
 
 class HostStage(Stage):
-    """Half-precision CPU tensors, reduced in a float32 staging buffer."""
+    """CPU tensors not in the ring's dtype, reduced in a staging buffer of that dtype."""
 
-    def __init__(self, tensors: list[torch.Tensor], host: HostBuffer) -> None:
+    def __init__(self, tensors: list[torch.Tensor], host: HostBuffer, dtype: torch.dtype) -> None:
         super().__init__(tensors)
         self._host = host
+        self._dtype = dtype
         self._buf: torch.Tensor | None = None
+        dtypes = {t.dtype for t in tensors}
+        # One input dtype narrower than the ring's: it can travel as is (see gather_into).
+        self._narrow = len(dtypes) == 1 and next(iter(dtypes)).itemsize < dtype.itemsize
+        self._gathered = False
 
     def begin(
         self, *, contribute: bool, deadline: float, cancelled: Callable[[], bool]
     ) -> FlatBuffer:
-        buf = self._buf = self._host.get(self.numel)
+        buf = self._buf = self._host.get(self.numel, self._dtype)
         if not contribute:
             buf.zero_()
+            if self._narrow:  # its raw input may travel narrow from here: zeros too
+                for t in self.tensors:
+                    t.detach().zero_()
         else:
             for t, a, b in zip(self.tensors, self.offsets, self.offsets[1:], strict=False):
                 buf[a:b].copy_(_flat(t))
         return FlatBuffer([buf])
 
+    def gather_into(self) -> FlatBuffer | None:
+        """The caller's tensors when they share one dtype narrower than the ring's: RS step 0
+        sends raw inputs from them, and each rank rounds the pieces it finished into them for
+        all-gather (the numbers are the same as rounding everything at the end, at half those
+        bytes). Those tensors are then written before the exchange completes (a
+        non-contributor's zeroed), as in-place ones are."""
+        if not self._narrow:
+            return None
+        self._gathered = True
+        return FlatBuffer([_flat(t) for t in self.tensors])
+
     def end(self) -> tuple[torch.cuda.Event | None, torch.cuda.Stream | None]:
         assert self._buf is not None
+        if self._gathered:
+            return None, None
         for t, a, b in zip(self.tensors, self.offsets, self.offsets[1:], strict=False):
             _flat(t).copy_(self._buf[a:b])
         return None, None
 
 
 class CudaPools:
-    """Per-device side streams and pinned float32 host buffers, shared by a ring's works."""
+    """Per-device side streams and pinned host byte buffers, shared by a ring's works."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -133,16 +163,17 @@ class CudaPools:
                 self._streams[index] = cast(torch.cuda.Stream, _CUDA.Stream(device=index))
             return self._streams[index]
 
-    def acquire(self, device: torch.device, numel: int) -> torch.Tensor:
+    def acquire(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 buffer of at least ``nbytes`` (view it as the ring's dtype)."""
         index = device.index or 0
         with self._lock:
             free = self._free.setdefault(index, [])
-            fits = [b for b in free if b.numel() >= numel]
+            fits = [b for b in free if b.numel() >= nbytes]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
                 free.remove(best)
                 return best
-        return torch.empty(max(numel, 1), dtype=torch.float32, pin_memory=True)
+        return torch.empty(max(nbytes, 4), dtype=torch.uint8, pin_memory=True)
 
     def release(self, device: torch.device, buf: torch.Tensor) -> None:
         with self._lock:
@@ -152,12 +183,20 @@ class CudaPools:
 class CudaStage(Stage):
     """CUDA tensors via a pinned host buffer, ordered with events on a side stream."""
 
-    def __init__(self, tensors: list[torch.Tensor], pools: CudaPools, *, contribute: bool) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        pools: CudaPools,
+        *,
+        contribute: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__(tensors)
         self.device = tensors[0].device
         self._pools = pools
         self._side = pools.stream(self.device)
-        self._pinned = pools.acquire(self.device, self.numel)
+        self._raw = pools.acquire(self.device, self.numel * dtype.itemsize)
+        self._pinned = self._raw[: self.numel * dtype.itemsize].view(dtype)
         ready = _event()
         ready.record(torch.cuda.current_stream(self.device))
         self._staged = _event()
@@ -195,4 +234,4 @@ class CudaStage(Stage):
         return done, self._side
 
     def release(self) -> None:
-        self._pools.release(self.device, self._pinned)
+        self._pools.release(self.device, self._raw)

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 MAGIC = b"FTAR"
-VERSION = 2
+VERSION = 3  # 3: the exchange header carries the ring dtype (wire compression)
 MAX_ADDRESS_BYTES = 255
 _IOV_MAX = 512
 
@@ -168,13 +168,17 @@ class ExchangeHeader:
     num_contributors: int
     digest: bytes
     contribute: bool
+    wire_dtype: int = 0
+    """The ring dtype's code (`worker.ftar.codec.wire_code`): 0 float32, 1 bf16, 2 fp16."""
 
     def encode(self) -> bytes:
+        if not 0 <= self.wire_dtype <= 3:
+            raise FatalFtarError(f"wire dtype code {self.wire_dtype} does not fit the header")
         return _EXCHANGE.pack(
             MAGIC,
             VERSION,
             _Kind.EXCHANGE,
-            int(self.contribute),
+            int(self.contribute) | self.wire_dtype << 1,
             self.epoch,
             self.seq,
             self.position,
@@ -203,7 +207,16 @@ class ExchangeHeader:
         ) = _EXCHANGE.unpack(data)
         _check_prefix(magic, version, kind, _Kind.EXCHANGE)
         return ExchangeHeader(
-            epoch, seq, position, size, numel, chunk_elems, contributors, digest, bool(flags & 1)
+            epoch,
+            seq,
+            position,
+            size,
+            numel,
+            chunk_elems,
+            contributors,
+            digest,
+            bool(flags & 1),
+            (flags >> 1) & 3,
         )
 
 
