@@ -67,6 +67,13 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], Callable[[Any], Any], str]] =
         lambda ms: timedelta(milliseconds=ms),
         "drain time on shutdown, ms (default 5000)",
     ),
+    (
+        "--send-with",
+        "send_with",
+        str,
+        str,
+        "how snapshot bytes go out: write (kernel copy) or sendfile (no copy here; default write)",
+    ),
     ("--log-level", "log_level", str, str, "critical|error|warning|info|debug (default warning)"),
     (
         "--redis-url",

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import FastAPI, Path, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -24,9 +24,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fthsdp.services.checkpoint.app_data import RangeResponse
 from fthsdp.services.checkpoint.client_errors import (
     CheckpointError,
     NotFoundError,
@@ -43,7 +44,7 @@ from fthsdp.services.checkpoint.client_manifest import (
     check_rank,
 )
 from fthsdp.services.checkpoint.config import CheckpointConfig
-from fthsdp.services.checkpoint.core import PositionRecord, check_position, parse_range
+from fthsdp.services.checkpoint.core import PositionRecord, check_position
 from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
@@ -76,6 +77,11 @@ class Metrics:
         )
         self.served_bytes = Counter(
             "fthsdp_checkpoint_served_bytes_total", "Snapshot and checkpoint bytes sent", registry=r
+        )
+        self.zero_copy_bytes = Counter(
+            "fthsdp_checkpoint_zero_copy_bytes_total",
+            "Snapshot bytes sent with sendfile from shared memory (part of served bytes)",
+            registry=r,
         )
         self.registered = Counter(
             "fthsdp_checkpoint_snapshots_registered_total", "Snapshots registered", registry=r
@@ -215,6 +221,9 @@ class RegisterBody(BaseModel):
     total_bytes: StrictInt = Field(ge=0)
     tensors: list[TensorModel] = Field(max_length=MAX_TENSORS)
     meta: dict[str, StrictStr | StrictInt] = Field(default_factory=dict, max_length=64)
+    reuse: StrictBool = False
+    """Hand the file back to the publisher when retention retires it (renamed to
+    `<file>.free`, once no response or write still reads it) instead of unlinking it."""
 
 
 class DurableBody(BaseModel):
@@ -282,25 +291,30 @@ async def _checksummed(services: Services, snap_future: Any) -> None:
 
 
 def _data_response(
-    services: Services, data: memoryview, total: int, range_header: str | None
-) -> StreamingResponse:
-    start, stop = parse_range(range_header, total, services.config.max_range_bytes)
-    piece = services.config.stream_bytes
-    served = services.metrics.served_bytes
-
-    async def body() -> AsyncIterator[memoryview]:
-        for at in range(start, stop, piece):
-            end = min(at + piece, stop)
-            served.inc(end - at)
-            yield data[at:end]
-
-    headers = {"content-length": str(stop - start), "accept-ranges": "bytes"}
-    status = 200 if range_header is None else 206
-    if status == 206:
-        headers["content-range"] = f"bytes {start}-{stop - 1}/{total}"
-    return StreamingResponse(
-        body(), status_code=status, headers=headers, media_type="application/octet-stream"
-    )
+    services: Services,
+    data: memoryview,
+    range_header: str | None,
+    source: BinaryIO | None = None,
+    release: Callable[[], None] | None = None,
+) -> Response:
+    """A range of `data`; `release` (a lease's) runs once the client has read it, or at once
+    if the request is refused."""
+    try:
+        return RangeResponse(
+            data,
+            range_header=range_header,
+            max_range_bytes=services.config.max_range_bytes,
+            stream_bytes=services.config.stream_bytes,
+            served=services.metrics.served_bytes,
+            zero_copied=services.metrics.zero_copy_bytes,
+            source=source,
+            send_with=services.config.send_with,
+            release=release or (lambda: None),
+        )
+    except BaseException:
+        if release is not None:
+            release()
+        raise
 
 
 def _ids(job: str, replica: str | None = None) -> tuple[str, str]:
@@ -327,6 +341,7 @@ def _snapshot_routes(app: FastAPI, services: Services) -> None:
             total_bytes=body.total_bytes,
             tensors=tensors,
             meta=dict(body.meta),
+            reuse=body.reuse,
         )
         if created:
             services.metrics.registered.inc()
@@ -355,9 +370,10 @@ def _snapshot_routes(app: FastAPI, services: Services) -> None:
     async def snapshot_data(
         job: Job, replica: Replica, rank: Rank, step: Step, request: Request
     ) -> Response:
-        snap = registry.get(*_ids(job, replica), rank, step)
+        lease = registry.lease(*_ids(job, replica), rank, step)
+        snap = lease.snapshot
         return _data_response(
-            services, snap.data, snap.layout.total_bytes, request.headers.get("range")
+            services, snap.data, request.headers.get("range"), snap.source, lease.release
         )
 
 
@@ -367,12 +383,15 @@ def _checkpoint_routes(app: FastAPI, services: Services) -> None:
     @app.post("/v1/checkpoints", status_code=202)
     def request_checkpoint(body: DurableBody) -> Response:
         check_rank(body.rank, body.world_size)
-        snap = services.registry.get(check_id("job", body.job), body.replica, body.rank, body.step)
+        job = check_id("job", body.job)
+        lease = services.registry.lease(job, body.replica, body.rank, body.step)
+        snap = lease.snapshot
 
         def manifest() -> Manifest:
             return snap.manifest(world_size=body.world_size)
 
-        status = writer.submit((body.job, body.step, body.rank), manifest, snap.data)
+        key = (body.job, body.step, body.rank)
+        status = writer.submit(key, manifest, snap.data, on_done=lease.release)
         return JSONResponse({"state": status.state, "detail": status.detail}, status_code=202)
 
     @app.get("/v1/checkpoints/{job}/latest")
@@ -395,10 +414,8 @@ def _checkpoint_routes(app: FastAPI, services: Services) -> None:
 
     @app.get("/v1/checkpoints/{job}/{step}/{rank}/data")
     def checkpoint_data(job: Job, step: Step, rank: Rank, request: Request) -> Response:
-        manifest, data = durable.open_data(_ids(job)[0], step, rank)
-        return _data_response(
-            services, data, manifest.layout.total_bytes, request.headers.get("range")
-        )
+        _, data = durable.open_data(_ids(job)[0], step, rank)
+        return _data_response(services, data, request.headers.get("range"))
 
 
 def _position_routes(app: FastAPI, services: Services) -> None:

@@ -18,7 +18,6 @@ import secrets
 import shutil
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from fthsdp.services.checkpoint.core import (
     rank_dir_name,
     step_dir_name,
 )
+from fthsdp.services.checkpoint.crc import crc32
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class DurableStore:
         with _mapped(directory / DATA, size) as data:
             for index, expected in enumerate(manifest.checksums):
                 at = index * manifest.chunk_bytes
-                if zlib.crc32(data[at : at + manifest.chunk_bytes]) != expected:
+                if crc32(data[at : at + manifest.chunk_bytes]) != expected:
                     return f"rank {rank}: chunk {index} of data.bin fails its checksum"
         return None
 
@@ -216,7 +216,8 @@ class DurableWriter:
         self.store = store
         self._on_write = on_write
         self._queue: queue.Queue[
-            tuple[tuple[str, int, int], Callable[[], Manifest], memoryview] | None
+            tuple[tuple[str, int, int], Callable[[], Manifest], memoryview, Callable[[], None]]
+            | None
         ]
         self._queue = queue.Queue()
         self._status: OrderedDict[tuple[str, int, int], WriteStatus] = OrderedDict()
@@ -225,15 +226,21 @@ class DurableWriter:
         self._thread.start()
 
     def submit(
-        self, key: tuple[str, int, int], manifest: Callable[[], Manifest], data: memoryview
+        self,
+        key: tuple[str, int, int],
+        manifest: Callable[[], Manifest],
+        data: memoryview,
+        on_done: Callable[[], None] = lambda: None,
     ) -> WriteStatus:
-        """Queues a write unless one for `key` is already queued, running or done."""
+        """Queues a write unless one for `key` is already queued, running or done; `on_done`
+        runs once `data` is no longer read (at once when nothing was queued)."""
         with self._lock:
             current = self._status.get(key)
             if current is not None and current.state in ("queued", "writing", "done"):
+                on_done()
                 return current
             self._set(key, WriteStatus("queued"))
-        self._queue.put((key, manifest, data))
+        self._queue.put((key, manifest, data, on_done))
         return WriteStatus("queued")
 
     def _set(self, key: tuple[str, int, int], status: WriteStatus) -> None:
@@ -257,7 +264,7 @@ class DurableWriter:
             item = self._queue.get()
             if item is None:
                 return
-            key, manifest, data = item
+            key, manifest, data, on_done = item
             with self._lock:
                 self._set(key, WriteStatus("writing"))
             start = time.perf_counter()
@@ -268,6 +275,8 @@ class DurableWriter:
             except Exception as exc:
                 log.exception("durable write of %s step %d rank %d failed", *key)
                 status, outcome = WriteStatus("failed", f"{type(exc).__name__}: {exc}"), "failed"
+            finally:
+                on_done()
             with self._lock:
                 self._set(key, status)
             self._on_write(outcome, time.perf_counter() - start)
@@ -285,7 +294,7 @@ def _write_data(path: Path, data: memoryview, manifest: Manifest) -> None:
     try:
         for index, expected in enumerate(manifest.checksums):
             piece = data[index * chunk : (index + 1) * chunk]
-            if zlib.crc32(piece) != expected:
+            if crc32(piece) != expected:
                 raise CorruptionError(f"chunk {index} changed since it was checksummed")
             for at in range(0, len(piece), _WRITE_BYTES):
                 _write_all(fd, piece[at : at + _WRITE_BYTES])

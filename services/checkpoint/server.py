@@ -21,7 +21,7 @@ from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import FilePositionStore, PositionStore
 from fthsdp.services.checkpoint.store_redis import RedisPositionStore
-from fthsdp.services.common.http_limits import BoundedHttpToolsProtocol
+from fthsdp.services.checkpoint.zerocopy import ZeroCopyHttpToolsProtocol
 from fthsdp.services.common.private_dir import ensure_private_dir
 from fthsdp.services.common.tokens import Token
 
@@ -94,14 +94,16 @@ class CheckpointServer:
                 access_log=False,
                 lifespan="off",
                 # httptools (C parser: ~10% more fetch bandwidth than h11 here), with bounds on
-                # the request head's size and time.
-                http=BoundedHttpToolsProtocol,
+                # the request head's size and time, and snapshot bytes sent with sendfile.
+                http=ZeroCopyHttpToolsProtocol,
                 ws="none",
                 timeout_graceful_shutdown=max(int(self.config.shutdown_grace.total_seconds()), 1),
             )
             server = uvicorn.Server(uv_config)
             self._server = server
             self._thread = threading.Thread(
+                # asyncio's own loop, whatever else is installed: its socket transports do
+                # `sendfile` natively (zerocopy).
                 target=lambda: asyncio.run(server.serve(sockets=[sock])),
                 name="fthsdp-checkpoint-http",
                 daemon=True,

@@ -124,7 +124,10 @@ def test_publish_does_not_wait_for_checksums(
 
 def test_snapshot_retention_unlinks_old_files(sidecars: Start, token: str) -> None:
     server = sidecars(retain_snapshots=2)
-    pub = publisher(server, token)
+    pub = SnapshotPublisher(
+        server.url, token, job=JOB, replica_id="r0", rank=0, shm_dir=server.config.shm_dir,
+        reuse=False,
+    )  # fmt: skip
     for step in range(1, 5):
         pub.publish(step, {"x": torch.full((10,), float(step))}, {})
     assert list_snapshots(server.url, token, job=JOB, replica="r0", rank=0) == [3, 4]
