@@ -160,7 +160,7 @@ class Manager:
             stop=self._stop,
             rank=group.rank,
             on_teardown=(
-                functools.partial(exit_for_restart, group, self._context)
+                functools.partial(exit_for_restart, group, self._context, self._telemetry.leave)
                 if config.exit_on_teardown
                 else None
             ),

@@ -218,16 +218,20 @@ def _holds(plan: StepPlan, replica_id: str, evicted_at: int) -> bool:
 def exit_for_restart(
     group: ReplicaGroup,
     context: Callable[..., dict[str, object]],
+    leave: Callable[[str], None],
     event: MembershipEvent,
 ) -> None:
     """The Manager's `on_teardown` (with `ManagerConfig.exit_on_teardown`): whatever the training
     thread is blocked in (a collective with a dead or hung rank) ends with the process, which
-    exits `EXIT_TORN_DOWN` for its process manager to restart it."""
+    exits `EXIT_TORN_DOWN` for its process manager to restart it. It first tells the health
+    service it leaves (`leave`), so its silence is not taken for the fault: the dead rank, whose
+    last beat may come after this one's, is the one to name."""
     log.error(
         "replica torn down: exiting with %d for a restart",
         EXIT_TORN_DOWN,
         extra=context(reason=event.reason),
     )
+    leave(f"torn down: {event.reason}")
     group.abort()
     for handler in logging.getLogger().handlers:
         handler.flush()

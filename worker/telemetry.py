@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client import TelemetryClient
@@ -85,3 +86,8 @@ class StepTelemetry:
         """Flushes briefly and stops (a clean exit: no incident)."""
         if self._client is not None:
             self._client.close()
+
+    def leave(self, reason: str) -> None:
+        """Says this rank leaves on purpose (a teardown), within a short bound, and stops."""
+        if self._client is not None:
+            self._client.close(timedelta(milliseconds=200), reason=reason)

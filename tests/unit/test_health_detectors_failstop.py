@@ -33,6 +33,22 @@ def test_a_silent_rank_is_named_once_until_it_beats_again() -> None:
     assert [i.rank for i in det.check(13.5)] == [0]
 
 
+def test_ranks_of_one_replica_that_stopped_together_are_named_together() -> None:
+    """The killed rank's last beat came after its crashing sibling's: both are named when the
+    first crosses the timeout (the report tears the replica down, and the other would not be)."""
+    killed, sibling, busy = (RankId(replica_id="r0", rank=r) for r in (1, 0, 2))
+    det = FailStopDetector(timeout_s=1.0)
+    det.beat(_hb(B, 10.0))
+    det.beat(_hb(sibling, 10.00))
+    det.beat(_hb(killed, 10.2))
+    det.beat(_hb(busy, 10.0))
+    det.beat(_hb(busy, 10.9))  # beating: not named
+    det.beat(_hb(B, 10.9))
+    found = det.check(11.05)  # the sibling 1.05 s silent, the killed rank 0.85 s
+    assert sorted((i.replica_id, i.rank) for i in found) == [("r0", 0), ("r0", 1)]
+    assert det.check(11.3) == []  # once each
+
+
 def test_clean_leave_is_never_an_incident() -> None:
     det = FailStopDetector(timeout_s=1.0)
     det.beat(_hb(A, 0.0))

@@ -76,13 +76,27 @@ class FailStopDetector:
         return list(self._beats)
 
     def check(self, now: float) -> list[Incident]:
-        """New fail-stop incidents at `now`: ranks silent for more than the timeout."""
+        """New fail-stop incidents at `now`: ranks silent for more than the timeout, and with
+        each, its replica's other ranks silent for more than three quarters of it (a beating
+        rank is a beat interval behind at most, a fifth of the timeout by default). Ranks that stop
+        together (one killed, a sibling crashing in a collective with it) stop within a beat
+        interval of each other, below what their last beats can order; and the first report
+        tears the replica down, after which the others are no longer watched. So all of them
+        are named, the dead one among them."""
         deadline = now - self.timeout_s
         found = []
+        replicas = set()
         for rank, beat in self._beats.items():
             if beat.at < deadline and not beat.reported:
                 beat.reported = True
                 found.append(_incident(rank, beat, now))
+                replicas.add(rank.replica_id)
+        if replicas:
+            nearly = now - 0.75 * self.timeout_s
+            for rank, beat in self._beats.items():
+                if rank.replica_id in replicas and beat.at < nearly and not beat.reported:
+                    beat.reported = True
+                    found.append(_incident(rank, beat, now))
         return found
 
 
