@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fthsdp.deploy import simulate_cli, status_cmd
 from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
+from fthsdp.deploy.netns_demo import HOSTS
 from fthsdp.deploy.up_cli import add_up_parser, run_up_command
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.health.config import FAILURE_ACTIONS
@@ -51,7 +52,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "rank; slow: throttle a whole replica for 12 s (SIGSTOP/SIGCONT 60%% of every 50 ms); "
         "quorum: restart the quorum service, or SIGKILL its leader with --redis; store: "
         "SIGKILL the redis-server (with --redis) for --store-down seconds; store-replica: "
-        "that, and a whole replica 2 s later (default process)",
+        "that, and a whole replica 2 s later; with --hosts netns, for --fault-for seconds: "
+        "blackhole: drop every packet of a replica's host; leader-blackhole: of the quorum "
+        "leader's host (with --redis); leader-redis-cut: cut the leader from Redis only (with "
+        "--redis); health-cut: cut a replica's host from health central; flap: a replica's "
+        "link down and up every 3 s; slow-link: a replica's link limited to 40 Mbit/s "
+        "(default process)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seeds failures and model init (default 0)")
     p.add_argument(
@@ -149,6 +155,16 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="--kill-mode store: seconds the killed redis-server stays down before it is "
         "restarted (default 10)",
     )  # fmt: skip
+    p.add_argument(
+        "--hosts", choices=HOSTS, default="loopback",
+        help="loopback: every service and replica on this machine's loopback (default); netns: "
+        "the control plane, health central and each replica in a network namespace of its own, "
+        "with its own address (root only; removed at the end)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fault-for", type=_positive_seconds, default=timedelta(seconds=5),
+        help="--hosts netns: seconds a network fault lasts before it is healed (default 5)",
+    )  # fmt: skip
     # The launcher's own logging; the demo passes both on to every process it starts.
     add_logging_flags(p, level_default="WARNING")
 
@@ -186,6 +202,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         hang_timeout=args.hang_timeout,
         store_down=args.store_down,
         spares=args.spares,
+        hosts=args.hosts,
+        fault_for=args.fault_for,
     )
     report = run_demo(config)
     if args.report:

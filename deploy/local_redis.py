@@ -1,7 +1,7 @@
-"""A local redis-server on 127.0.0.1: a free port, a private data directory with an fsync'd
-append-only file, a password; killable (SIGKILL, a crash) and restartable on the same port with
-its data. The demo's failover mode, the benchmarks and the tests start Redis through it;
-`scripts/bootstrap.sh` installs redis-server."""
+"""A local redis-server (on 127.0.0.1, or another address of this host): a free port, a
+private data directory with an fsync'd append-only file, a password; killable (SIGKILL, a
+crash) and restartable on the same port with its data. The demo's failover mode, the
+benchmarks and the tests start Redis through it; `scripts/bootstrap.sh` installs redis-server."""
 
 from __future__ import annotations
 
@@ -22,23 +22,26 @@ def redis_binary() -> str | None:
 
 
 class LocalRedis:
-    """One redis-server process on 127.0.0.1 with persistence in `directory`."""
+    """One redis-server process on `host` (default 127.0.0.1) with persistence in `directory`."""
 
-    def __init__(self, directory: Path, *, password: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, *, password: str | None = None, host: str = "127.0.0.1"
+    ) -> None:
         binary = redis_binary()
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/bootstrap.sh installs it)")
         self._binary = binary
         self.directory = directory
         self.password = password
-        self.port = free_port()
+        self.host = host
+        self.port = free_port(host)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         """redis:// URL of this server (with the password when one is set)."""
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
         """Starts (or restarts) the server on the same port and data directory."""
@@ -46,7 +49,7 @@ class LocalRedis:
         argv = [
             self._binary,
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", self.host,
             "--dir", str(self.directory),
             "--appendonly", "yes",
             "--appendfsync", "always",
@@ -72,7 +75,7 @@ class LocalRedis:
 
     def _answers(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
                 if self.password:
                     sock.sendall(f"AUTH {self.password}\r\n".encode())
                     sock.recv(64)

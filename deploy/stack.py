@@ -5,7 +5,11 @@ store). With `redis=True` it runs as two processes, a leader and a standby, elec
 local redis-server (the production shape: a killed leader is replaced by the standby, and the
 membership survives). The health service runs as a central process plus one node agent per
 simulated host. Each checkpoint sidecar is its own process, one per host, so serving state never
-competes with the launcher or with training for the interpreter lock."""
+competes with the launcher or with training for the interpreter lock.
+
+Where each process runs is a `Placement`: by default every host is this machine's loopback; with
+`fthsdp demo --hosts netns` (`deploy.netns_demo`) each host is a network namespace with its own
+address, and every service binds and is reached at its host's address."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -64,6 +68,54 @@ def _stop(processes: list[ManagedProcess], grace_s: float = 10.0) -> None:
             process.proc.wait()
 
 
+CONTROL = "ctl"
+"""The host of the launcher (and of Redis and an embedded quorum service)."""
+HEALTH = "hc"
+"""The host of the health service's central process."""
+QUORUM = ("q0", "q1")
+"""The hosts of the quorum leader and standby (with Redis)."""
+
+
+class Placement:
+    """Where the stack's processes run: per host, its address and the argv prefix that starts a
+    process there. Hosts: `CONTROL`, `HEALTH`, `QUORUM` and one per replica (named after it).
+
+    `Placement()` puts every host on this machine's loopback. A host without a prefix is the
+    launcher's own network namespace."""
+
+    def __init__(
+        self,
+        addresses: Mapping[str, str] | None = None,
+        prefixes: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        self._addresses = dict(addresses or {})
+        self._prefixes = {host: tuple(p) for host, p in (prefixes or {}).items()}
+        self._ports: dict[str, set[int]] = {}
+
+    @property
+    def loopback(self) -> bool:
+        return not self._addresses
+
+    def address(self, host: str) -> str:
+        """The address the host's services bind and its peers connect to."""
+        return self._addresses.get(host, "127.0.0.1")
+
+    def prefix(self, host: str) -> list[str]:
+        """What runs a command on the host (`ip netns exec <namespace>`; empty: right here)."""
+        return list(self._prefixes.get(host, ()))
+
+    def port(self, host: str) -> int:
+        """A TCP port free on the host. The launcher cannot bind in another namespace; a fresh
+        namespace holds only what the stack starts there, so any number not handed out for the
+        host yet will do, and the kernel's ephemeral pick here is such a number."""
+        taken = self._ports.setdefault(host, set())
+        while True:
+            port = free_port(self.address(host) if not self.prefix(host) else "127.0.0.1")
+            if port not in taken:
+                taken.add(port)
+                return port
+
+
 class Sidecar:
     """One checkpoint sidecar process."""
 
@@ -76,23 +128,31 @@ class Sidecar:
         shm_dir: Path,
         durable_dir: Path,
         log_flags: Sequence[str] = (),
+        placement: Placement | None = None,
     ) -> None:
+        placement = placement or Placement()
         self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = placement.port(name)
+        host = placement.address(name)
+        self.url = f"http://{host}:{self.port}"
         self.shm_dir = shm_dir
         argv = service_argv(
             sys.executable,
             "checkpoint",
             token_file=token_file,
             log_flags=log_flags,
-            flags=[("--port", self.port), ("--shm-dir", shm_dir), ("--durable-dir", durable_dir)],
+            flags=[
+                ("--host", None if placement.loopback else host),
+                ("--port", self.port),
+                ("--shm-dir", shm_dir),
+                ("--durable-dir", durable_dir),
+            ],
         )
         self.process = ManagedProcess(
             ServiceSpec(
                 name=f"checkpoint-{name}",
                 die_with_parent=False,  # this launcher runs gRPC threads: no code before exec
-                argv=argv,
+                argv=[*placement.prefix(name), *argv],
                 log_path=run_dir / "logs" / f"checkpoint-{name}.log",
                 ready=_http_ready(f"{self.url}/readyz"),
             )
@@ -128,13 +188,17 @@ class LocalStack:
         failure_action: str = "kill",
         hang_timeout: timedelta | None = None,
         log_flags: Sequence[str] = (),
+        placement: Placement | None = None,
     ) -> None:
         self._run_dir = run_dir
+        self.placement = placement or Placement()
+        """Where each process runs (default: everything on loopback)."""
         self._log_flags = tuple(log_flags)
         """`--log-format` / `--log-level` given to every service process."""
         self._token_file = token_file
         self._token = load_token(path=str(token_file))
         self._quorum_config = QuorumConfig(
+            host=self.placement.address(CONTROL),
             port=0,
             admin_port=0,
             heartbeat_timeout=heartbeat_timeout,
@@ -147,7 +211,13 @@ class LocalStack:
         self.store_up_since = 0.0
         """Monotonic time the redis-server was last restarted by `supervise` (0: never)."""
         self._redis = (
-            LocalRedis(run_dir / "redis", password=secrets.token_hex(16)) if redis else None
+            LocalRedis(
+                run_dir / "redis",
+                password=secrets.token_hex(16),
+                host=self.placement.address(CONTROL),
+            )
+            if redis
+            else None
         )
         self._quorum_processes: list[ManagedProcess] = []
         self._health_processes: list[ManagedProcess] = []
@@ -167,6 +237,7 @@ class LocalStack:
                 shm_dir=shm / host,
                 durable_dir=checkpoint_dir,
                 log_flags=log_flags,
+                placement=self.placement,
             )
             for host in hosts
         }
@@ -220,14 +291,17 @@ class LocalStack:
     def _start_quorum_processes(self) -> None:
         assert self._redis is not None
         config = self._quorum_config
-        for name in ("quorum-a", "quorum-b"):
-            port, admin = free_port(), free_port()
+        placement = self.placement
+        for name, host in zip(("quorum-a", "quorum-b"), QUORUM, strict=True):
+            port, admin = placement.port(host), placement.port(host)
+            address = placement.address(host)
             argv = service_argv(
                 sys.executable,
                 "quorum",
                 token_file=self._token_file,
                 log_flags=self._log_flags,
                 flags=[
+                    ("--host", None if placement.loopback else address),
                     ("--port", port),
                     ("--admin-port", admin),
                     ("--min-replicas", config.min_replicas),
@@ -237,13 +311,13 @@ class LocalStack:
             )
             spec = ServiceSpec(
                 name=name,
-                argv=argv,
+                argv=[*placement.prefix(host), *argv],
                 die_with_parent=False,
                 env=redis_env("quorum", self._redis.url),
                 log_path=self._run_dir / "logs" / f"{name}.log",
-                live=_http_ready(f"http://127.0.0.1:{admin}/livez"),
-                ready=_http_ready(f"http://127.0.0.1:{admin}/readyz"),
-                addresses={"grpc": f"127.0.0.1:{port}"},
+                live=_http_ready(f"http://{address}:{admin}/livez"),
+                ready=_http_ready(f"http://{address}:{admin}/readyz"),
+                addresses={"grpc": f"{address}:{port}", "host": host},
             )
             self._quorum_processes.append(ManagedProcess(spec))
         self._quorum_processes[0].start()  # the first one leads: a deterministic start
@@ -251,6 +325,11 @@ class LocalStack:
         self._quorum_processes[1].start()
         _wait(self._quorum_processes[1].spec.live, self._quorum_processes, "the quorum standby")
         self.quorum_address = ",".join(p.spec.addresses["grpc"] for p in self._quorum_processes)
+
+    def quorum_leader_host(self) -> str | None:
+        """The host of the quorum process that leads now (with Redis), or None."""
+        leader = next((p for p in self._quorum_processes if p.spec.ready()), None)
+        return None if leader is None else leader.spec.addresses["host"]
 
     def restart_quorum(self) -> None:
         """The quorum service fails. In-memory: stops and starts fresh on the same port, having
@@ -326,8 +405,11 @@ class LocalStack:
     # ---- health -------------------------------------------------------------------------------
 
     def _health_spec(
-        self, name: str, mode: str, grpc: int, http: int, *extra: tuple[str, object]
+        self, name: str, mode: str, host: str, *extra: tuple[str, object]
     ) -> ServiceSpec:
+        placement = self.placement
+        address = placement.address(host)
+        grpc, http = placement.port(host), placement.port(host)
         argv = service_argv(
             sys.executable,
             "health",
@@ -335,6 +417,7 @@ class LocalStack:
             log_flags=self._log_flags,
             flags=[
                 ("--mode", mode),
+                ("--host", None if placement.loopback else address),
                 ("--port", grpc),
                 ("--http-port", http),
                 ("--quorum", self.quorum_address),
@@ -344,22 +427,21 @@ class LocalStack:
         )
         return ServiceSpec(
             name=name,
-            argv=argv,
+            argv=[*placement.prefix(host), *argv],
             die_with_parent=False,
             log_path=self._run_dir / "logs" / f"{name}.log",
-            ready=_http_ready(f"http://127.0.0.1:{http}/readyz"),
-            addresses={"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}"},
+            ready=_http_ready(f"http://{address}:{http}/readyz"),
+            addresses={"grpc": f"{address}:{grpc}", "http": f"http://{address}:{http}"},
         )
 
     def _start_health(self) -> None:
-        central = self._health_spec("health", "central", free_port(), free_port())
+        central = self._health_spec("health", "central", HEALTH)
         specs = [central]
         for host in self._hosts:
             agent = self._health_spec(
                 f"health-agent-{host}",
                 "agent",
-                free_port(),
-                free_port(),
+                host,
                 ("--central", central.addresses["grpc"]),
                 ("--node", host),
                 # As patient as the quorum service: on a loaded machine a rank's telemetry

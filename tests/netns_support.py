@@ -12,12 +12,15 @@ The session fixture `netns_session` removes stale topologies of crashed runs whe
 asks for it, and at the end of the session fails if this session left a namespace, an owner
 record or a link behind (after removing them).
 
-The helpers run small standard-library Python programs inside the namespaces: a TCP server that
-echoes lines prefixed with the peer's address (and sends N bytes on `bulk N`), and clients that
-report how a connect ended (`ok <reply>`, `timeout`, `refused`, `error <errno>`)."""
+`run_netns_demo` runs `fthsdp demo --hosts netns` in a process of its own and returns its
+report. The helpers also run small standard-library Python programs inside the namespaces: a
+TCP server that echoes lines prefixed with the peer's address (and sends N bytes on `bulk N`),
+and clients that report how a connect ended (`ok <reply>`, `timeout`, `refused`,
+`error <errno>`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,12 +28,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
 
 from fthsdp.deploy.netns import (
     CI_MECHANISMS,
+    PREFIX,
     CleanupError,
     Mechanisms,
     NetnsUnavailable,
@@ -40,6 +45,7 @@ from fthsdp.deploy.netns import (
     mechanisms,
     read_first_line,
 )
+from fthsdp.deploy.netns_cleanup import namespaces
 
 TopologyFactory = Callable[..., Topology]
 PYTHON = [sys.executable, "-I", "-S"]
@@ -264,3 +270,47 @@ def eventually(check: Callable[[], bool], what: str, timeout_s: float = 15.0) ->
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not reached within {timeout_s} s")
         time.sleep(0.05)
+
+
+# ---- the demo on namespaces (`fthsdp demo --hosts netns`) ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NetnsDemoRun:
+    """A finished `fthsdp demo --hosts netns` run: its report, the records of its network
+    faults (`netns_faults.jsonl`) and its run directory."""
+
+    report: dict[str, Any]
+    faults: list[dict[str, Any]]
+    run_dir: Path
+    stderr: str
+    """The launcher's log (the embedded quorum service's too: evictions, incarnations)."""
+
+
+def demo_argv(run_dir: Path, *flags: str) -> list[str]:
+    """`fthsdp demo --hosts netns` with small, fast settings (3 replicas of 1 rank); `flags`
+    come last and win."""
+    return [
+        sys.executable, "-m", "fthsdp.deploy.cli", "demo", "--hosts", "netns",
+        "--replicas", "3", "--ranks", "1", "--no-live", "--durable-every-steps", "10",
+        "--run-dir", str(run_dir), *flags,
+    ]  # fmt: skip
+
+
+def run_netns_demo(run_dir: Path, *flags: str, timeout_s: float = 240.0) -> NetnsDemoRun:
+    """Runs the demo in its own process (it moves itself into a namespace, which a test
+    process must not do) and checks it removed its topology; fails on a non-zero exit (the
+    CLI exits 1 when an invariant does not hold)."""
+    before = set(namespaces(PREFIX))
+    proc = subprocess.run(
+        demo_argv(run_dir, *flags), capture_output=True, text=True, timeout=timeout_s
+    )
+    left = set(namespaces(PREFIX)) - before
+    assert not left, f"the demo left topologies behind: {sorted(left)}"
+    report_path = run_dir / "report.json"
+    assert report_path.exists(), f"no report (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    report = json.loads(report_path.read_text())
+    assert proc.returncode == 0, f"exit {proc.returncode}: {report['invariants']}"
+    records = run_dir / "netns_faults.jsonl"
+    faults = [json.loads(x) for x in records.read_text().splitlines()] if records.exists() else []
+    return NetnsDemoRun(report=report, faults=faults, run_dir=run_dir, stderr=proc.stderr)

@@ -2,10 +2,12 @@
 
 The quorum service runs embedded in this process, the checkpoint service as a sidecar process,
 and every rank as its own process (see `ReplicaSupervisor`). At the end the replicas are brought
-to one agreed step, and the run's logs become a JSON report and a PNG plot."""
+to one agreed step, and the run's logs become a JSON report and a PNG plot. With
+`hosts="netns"` every host is a network namespace (`deploy.netns_demo`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -28,8 +30,9 @@ from fthsdp.deploy.demo.events import (
     RunEvent,
 )
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, ReplicaSupervisor
+from fthsdp.deploy.netns_demo import HOSTS, NETNS_KILL_MODES, NetnsHosts
 from fthsdp.deploy.service_commands import log_flags
-from fthsdp.deploy.stack import LocalStack
+from fthsdp.deploy.stack import LocalStack, Placement
 from fthsdp.services.common import logs
 from fthsdp.services.health.client_http import HealthClient
 from fthsdp.services.health.config import FAILURE_ACTIONS
@@ -117,6 +120,12 @@ class DemoConfig:
     store_down: timedelta = timedelta(seconds=10)
     """`kill_mode="store"`: how long the killed redis-server stays down before the stack's
     supervision brings it back (with its append-only file)."""
+    hosts: str = "loopback"
+    """loopback: every host on this machine's loopback; netns: each host (control plane, health
+    central, every replica) in its own network namespace with its own address (root only), and
+    the network faults of `NETNS_KILL_MODES`."""
+    fault_for: timedelta = timedelta(seconds=5)
+    """A network fault (`NETNS_KILL_MODES`) is healed this long after it began."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
@@ -131,6 +140,16 @@ class DemoConfig:
             raise ValueError(f"kill_mode {self.kill_mode!r} needs redis (the store is redis)")
         if not 0 <= self.spares <= 64:
             raise ValueError("spares must be in 0..64")
+        if self.hosts not in HOSTS:
+            raise ValueError(f"hosts must be one of {HOSTS}")
+        if self.kill_mode in NETNS_KILL_MODES and self.hosts != "netns":
+            raise ValueError(f"kill_mode {self.kill_mode!r} needs hosts='netns'")
+        if self.kill_mode.startswith("leader-") and not self.redis:
+            raise ValueError(f"kill_mode {self.kill_mode!r} needs redis (a standby to take over)")
+        if self.hosts == "netns" and self.spares:
+            raise ValueError("spares are not supported with hosts='netns'")
+        if self.fault_for <= timedelta(0):
+            raise ValueError("fault_for must be positive")
         if self.store_down < timedelta(0):
             raise ValueError("store_down must not be negative")
         if self.duration <= timedelta(0):
@@ -224,7 +243,6 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Runs the demo and returns the report (also written to `run_dir/report.json`)."""
     from fthsdp.deploy.demo.plot import write_plot
     from fthsdp.deploy.demo.report import build_report
-    from fthsdp.deploy.demo.view import LiveView, run_live, run_progress
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -235,6 +253,31 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     events = EventLog(run_dir / "supervisor.jsonl")
     rng = random.Random(config.seed)
     stop = threading.Event()
+    replica_ids = [f"r{i}" for i in range(config.replicas)]
+    netns = NetnsHosts(replica_ids, redis=config.redis) if config.hosts == "netns" else None
+    with netns or contextlib.nullcontext(Placement()) as placement:
+        incidents = _run(config, run_dir, token_file, events, rng, stop, placement, netns)
+    report = build_report(run_dir)
+    report["incidents"] = incidents
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    write_plot(report, run_dir / "report.png")
+    return report
+
+
+def _run(
+    config: DemoConfig,
+    run_dir: Path,
+    token_file: Path,
+    events: EventLog,
+    rng: random.Random,
+    stop: threading.Event,
+    placement: Placement,
+    netns: NetnsHosts | None,
+) -> list[dict[str, Any]]:
+    """Starts the stack and the replicas on `placement`, trains, settles and stops; returns the
+    health service's incidents."""
+    from fthsdp.deploy.demo.view import LiveView, run_live, run_progress
+
     replica_ids = [f"r{i}" for i in range(config.replicas)]
     with LocalStack(
         run_dir=run_dir,
@@ -249,6 +292,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         failure_action=config.on_failure,
         hang_timeout=config.hang_timeout,
         log_flags=config.log_flags,
+        placement=placement,
     ) as stack:
         if stack.health_url:
             # The token stays in its file: printing it would put it in terminal scrollback.
@@ -264,6 +308,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             checkpoint_urls={r: stack.sidecars[r].url for r in replica_ids},
             shm_dirs={r: str(stack.sidecars[r].shm_dir) for r in replica_ids},
             health_agents=stack.health_agents,
+            prefixes={r: placement.prefix(r) for r in replica_ids},
+            ftar_hosts={} if placement.loopback else {r: placement.address(r) for r in replica_ids},
             token_file=token_file,
             env={"FTHSDP_FAULTS": config.faults, "FTHSDP_FAULTS_DIR": str(run_dir / "faults")},
             extra_args=(
@@ -309,10 +355,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             daemon=True,
         )
         viewer.start()
-        incidents: list[dict[str, Any]] = []
+        driver = _Driver(config, stack, supervisor, quorum, netns)
         try:
             supervisor.start_all()
-            driver = _Driver(config, stack, supervisor, quorum)
             driver.train(rng)
             driver.settle(run_dir)
         finally:
@@ -320,12 +365,10 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             events.write(EndEvent())
             stop.set()
             events.close()
-            incidents = _health_incidents(stack, token_file)
-    report = build_report(run_dir)
-    report["incidents"] = incidents
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    write_plot(report, run_dir / "report.png")
-    return report
+            if netns is not None:
+                netns.heal_due(everything=True)  # the incidents are read through the bridge
+                netns.join_probes()
+        return _health_incidents(stack, token_file)
 
 
 def _health_incidents(stack: LocalStack, token_file: Path) -> list[dict[str, Any]]:
@@ -361,17 +404,22 @@ class _Driver:
         stack: LocalStack,
         supervisor: ReplicaSupervisor,
         quorum: _QuorumView,
+        netns: NetnsHosts | None = None,
     ) -> None:
         self.config = config
         self.stack = stack
         self.supervisor = supervisor
         self.quorum = quorum
+        self.netns = netns
         self._replica_kill_at = float("inf")
         """`store-replica`: when to kill a replica while the store is down."""
         self._next_poll = 0.0
 
     def supervise(self) -> None:
-        """One tick: poll the quorum, replace evicted replicas, reap and restart processes."""
+        """One tick: heal network faults that are due, poll the quorum, replace evicted
+        replicas, reap and restart processes."""
+        if self.netns is not None:
+            self.netns.heal_due()
         self.stack.supervise()
         now = time.monotonic()
         if now >= self._next_poll:
@@ -410,6 +458,8 @@ class _Driver:
         next_kill = start + period if period else float("inf")
         # No failures in the last stretch: the end phase needs every replica back.
         last_kill = end - min(10.0, config.duration.total_seconds() / 4)
+        if config.kill_mode in NETNS_KILL_MODES:
+            last_kill -= config.fault_for.total_seconds()  # healed before the end phase
         while time.monotonic() < end:
             self.supervise()
             now = time.monotonic()
@@ -422,6 +472,8 @@ class _Driver:
 
     def _inject(self, rng: random.Random) -> bool:
         """Breaks something; False when nothing may be broken now."""
+        if self.config.kill_mode in NETNS_KILL_MODES:
+            return self._inject_network(rng)
         if self.config.kill_mode == "quorum":
             self.supervisor.events.write(InjectEvent(replica=None, mode="quorum", rank=None))
             self.stack.restart_quorum()
@@ -439,6 +491,35 @@ class _Driver:
             return True
         return self._kill_replica(rng, self.config.kill_mode)
 
+    def _inject_network(self, rng: random.Random) -> bool:
+        """A network fault (`NETNS_KILL_MODES`), one at a time; False when none may start now."""
+        assert self.netns is not None
+        mode = self.config.kill_mode
+        if self.netns.faulty:
+            return False
+        period = self.config.fault_for.total_seconds()
+        events = self.supervisor.events
+        if mode.startswith("leader-"):
+            leader = self.stack.quorum_leader_host()
+            if leader is None:
+                return False
+            events.write(InjectEvent(replica=None, mode=mode, rank=None))
+            if mode == "leader-blackhole":
+                self.netns.inject_leader_blackhole(leader, period, self.stack, self.config.run_dir)
+            else:
+                self.netns.inject(mode, [leader], period)
+            return True
+        healthy = set(self.quorum.healthy)
+        candidates = self.supervisor.breakable(healthy)
+        if mode in ("blackhole", "flap") and len(candidates) - 1 < self.config.quorum_floor:
+            return False  # never below the floor: see `_kill_replica`
+        if not candidates:
+            return False
+        victim = rng.choice(candidates).replica_id
+        events.write(InjectEvent(replica=victim, mode=mode, rank=None))
+        self.netns.inject(mode, [victim], period)
+        return True
+
     def _kill_replica(self, rng: random.Random, mode: str = "replica") -> bool:
         # Only replicas in the current quorum that are up: one that has not joined yet would
         # never be evicted (nobody knows it), and a hang of it would go unnoticed. And never
@@ -451,6 +532,8 @@ class _Driver:
 
     def settle(self, run_dir: Path) -> None:
         """Waits until every replica is healthy, then has all of them stop at one agreed step."""
+        if self.netns is not None:
+            self.netns.heal_due(everything=True)
         everyone = {r.replica_id for r in self.supervisor.replicas}
         deadline = time.monotonic() + self.config.settle_timeout.total_seconds()
         while time.monotonic() < deadline and set(self.quorum.healthy) != everyone:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,13 +39,28 @@ RESTART_POLICIES = ("replica", "job")
 """replica: only the failed replica restarts (FT-HSDP); job: every replica restarts from the last
 durable checkpoint on any failure (the synchronous-training baseline)."""
 
-KILL_MODES = ("process", "replica", "hang", "slow", "quorum", "store", "store-replica")
+KILL_MODES = (
+    "process",
+    "replica",
+    "hang",
+    "slow",
+    "quorum",
+    "store",
+    "store-replica",
+    "blackhole",
+    "leader-blackhole",
+    "leader-redis-cut",
+    "health-cut",
+    "flap",
+    "slow-link",
+)
 """process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one rank (a hung
 GPU or NCCL call as the host sees it); slow: throttle every rank of a replica for
 `SLOW_PERIOD_S` (a fail-slow machine: see `Throttle`), then let it run normally; quorum: restart
 the (in-memory) quorum service; store: SIGKILL the redis-server (with Redis), which stays down
 for a while and then comes back; store-replica: that, and a whole replica SIGKILLed while the
-store is down."""
+store is down. blackhole, leader-blackhole, leader-redis-cut, health-cut, flap, slow-link:
+network faults with `--hosts netns` (see `deploy.netns_demo`)."""
 
 REFILL_HOLD_S = 10.0
 """Longest a takeover holds back the spare pool's refill. A spare warming up takes a core for
@@ -173,14 +188,20 @@ class ReplicaCommand:
     """Bearer token file handed to every rank."""
     health_agents: Mapping[str, str] = field(default_factory=dict)
     """Replica id → the health node agent of its host (none: no telemetry)."""
+    prefixes: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """Replica id → the argv prefix that runs a process on its host (none: right here)."""
+    ftar_hosts: Mapping[str, str] = field(default_factory=dict)
+    """Replica id → the address its ranks' FTAR listeners bind and advertise (none: the
+    rank's default, loopback)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for every rank (fault plans)."""
     extra_args: tuple[str, ...] = ()
     """Further flags for `deploy.demo.train`."""
 
     def argv(self, replica: Replica, rank: int, init_port: int) -> list[str]:
-        """The command line of a fresh rank process."""
-        return [*self.common_argv(), *self.identity(replica, rank, init_port)]
+        """The command line of a fresh rank process, on its replica's host."""
+        prefix = self.prefixes.get(replica.replica_id, ())
+        return [*prefix, *self.common_argv(), *self.identity(replica, rank, init_port)]
 
     def spare_argv(self) -> list[str]:
         """A warm spare: everything but its identity, which it reads from stdin once taken."""
@@ -225,11 +246,16 @@ class ReplicaCommand:
             "--log-file",
             str(self.run_dir / "logs" / f"{replica.replica_id}.log"),
             *self._health_args(replica),
+            *self._ftar_args(replica),
         ]
 
     def _health_args(self, replica: Replica) -> list[str]:
         agent = self.health_agents.get(replica.replica_id)
         return ["--health", agent] if agent else []
+
+    def _ftar_args(self, replica: Replica) -> list[str]:
+        host = self.ftar_hosts.get(replica.replica_id)
+        return ["--ftar-host", host] if host else []
 
 
 class ReplicaSupervisor:
