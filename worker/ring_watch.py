@@ -127,7 +127,7 @@ class RingWatch:
 
     def renew_for(self, incarnation: int) -> None:
         """After a rejoin: ends a stream that keeps an older incarnation alive, so the next one
-        holds `incarnation` (the thread reopens it at once)."""
+        holds `incarnation` (the thread reopens it after its 0.2 s retry pause)."""
         held, stream = self._held, self._stream
         if held is not None and held != incarnation and stream is not None:
             stream.cancel()
