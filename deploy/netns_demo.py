@@ -36,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 
 from fthsdp.deploy.netns import LinkFlap, NetnsUnavailable, Topology
+from fthsdp.deploy.netns_mechanisms import require_root
 from fthsdp.deploy.stack import CONTROL, HEALTH, QUORUM, LocalStack, Placement
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ class NetnsHosts:
         self._flaps: dict[str, LinkFlap] = {}
 
     def __enter__(self) -> Placement:
+        try:
+            require_root()  # the user's error first, whatever else is wrong
+        except NetnsUnavailable as exc:
+            raise ValueError(f"--hosts netns: {exc}") from exc
         if threading.active_count() != 1:
             raise RuntimeError("enter the namespaces before any thread starts")
         try:
