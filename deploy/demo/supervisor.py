@@ -31,6 +31,7 @@ from fthsdp.deploy.demo.events import (
     SparesEvent,
 )
 from fthsdp.deploy.demo.spares import SparePool, assign
+from fthsdp.deploy.netns_demo import NETNS_KILL_MODES
 from fthsdp.deploy.processes import free_port
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,7 @@ KILL_MODES = (
     "quorum",
     "store",
     "store-replica",
-    "blackhole",
-    "leader-blackhole",
-    "leader-redis-cut",
-    "health-cut",
-    "flap",
-    "slow-link",
+    *NETNS_KILL_MODES,
 )
 """process: SIGKILL one rank; replica: SIGKILL a whole replica; hang: SIGSTOP one rank (a hung
 GPU or NCCL call as the host sees it); slow: throttle every rank of a replica for
