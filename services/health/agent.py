@@ -4,12 +4,16 @@ Every rank on a host reports to the agent on 127.0.0.1. The agent runs `FailStop
 its ranks' heartbeats every `check_interval`; a rank silent for `heartbeat_timeout` is reported to
 the quorum service at once (so the survivors' next quorum leaves its replica out: kill -> new
 quorum within about heartbeat_timeout + check_interval + one RPC), and the incident goes to the
-central service with the outcome of the report.
+central service with the outcome of the report. The agent follows the quorum service's event
+stream: its joins say which incarnation the silent rank belonged to, and the report (and the
+incident's evidence, for a central service that evicts when the report failed) names that one
+only. An agent cut from the central service goes on reporting its ranks to the quorum service;
+the central service leaves their liveness to it meanwhile.
 
-With `failure_action` "kill" the report asks for a teardown, and the agent follows the quorum
-service's events: a replica evicted with a teardown (by this agent, another one, or the central
-service's hang verdict) has its processes on this host killed, by the pids its ranks registered
-(`teardown`), so its process manager restarts it now rather than after a collective timeout.
+With `failure_action` "kill" the report asks for a teardown, and a replica the stream shows
+evicted with a teardown (by this agent, another one, or the central service's hang verdict) has
+its processes on this host killed, by the pids its ranks registered (`teardown`), so its
+process manager restarts it now rather than after a collective timeout.
 A rank this agent finds silent has its replica torn down here whatever the quorum service
 answers: one already evicted by the service's own heartbeat timeout was evicted without one.
 
@@ -160,8 +164,8 @@ class NodeAgent:
         if self._tasks:
             return
         self._tasks.append(asyncio.create_task(self._check_loop(), name="agent-check"))
-        if self._kills and self._quorum is not None:
-            self._tasks.append(asyncio.create_task(self._teardown_loop(), name="agent-teardown"))
+        if self._quorum is not None:
+            self._tasks.append(asyncio.create_task(self._watch_loop(), name="agent-watch"))
         if self._config.central is not None:
             self._channel = grpc.aio.insecure_channel(
                 self._config.central,
@@ -233,12 +237,16 @@ class NodeAgent:
             reason = f"fail_stop: {incident.summary}"
             # Only the incarnation the silent rank belonged to: a warm spare may have taken over
             # as the next one before the heartbeat timeout ran out, and must not go with it.
+            incarnation = self._incarnation_at(incident.replica_id, last_heard)
+            if incarnation is not None:
+                # The central service evicts for us when this report failed: the same one only.
+                evidence["incarnation"] = incarnation
             outcome = await self._quorum.report_failure(
                 incident.replica_id,
                 reason,
                 reporter=f"fthsdp-health-agent:{self._config.node}",
                 teardown=self._kills,
-                incarnation=self._incarnation_at(incident.replica_id, last_heard),
+                incarnation=incarnation,
             )
             last_beat = float(incident.evidence.get("last_beat_at", incident.detected_at))
             if self._kills:
@@ -257,11 +265,15 @@ class NodeAgent:
 
     # ---- teardown ---------------------------------------------------------------------------
 
-    async def _teardown_loop(self) -> None:
+    async def _watch_loop(self) -> None:
+        """Follows the quorum service's events: joins name the incarnation a report is for
+        (whatever the failure action), teardowns are carried out under "kill"."""
         assert self._quorum is not None
         async for replica_id in self._quorum.teardowns(
             on_join=self._joined, on_resync=self._joins.clear
         ):
+            if not self._kills:
+                continue
             try:
                 await self.teardown(replica_id)
             except Exception:

@@ -2,10 +2,10 @@
 on a timer, keeps incidents in the store, and applies the policies.
 
 Policies (what an incident makes the service do besides recording it):
-- fail-stop found here (a whole node went silent, agent included: host loss), hang, SDC: evict the
-  replica through the quorum service, so the survivors form a new quorum without it, and with
-  `HealthConfig.failure_action` "kill" ask for its teardown (its ranks exit, the agents kill its
-  processes);
+- fail-stop found here of a rank with no node agent (it beats straight to this service), hang,
+  SDC: evict the replica through the quorum service, so the survivors form a new quorum without
+  it, and with `HealthConfig.failure_action` "kill" ask for its teardown (its ranks exit, the
+  agents kill its processes);
 - fail-slow and slow-rank: evict or only report, per `DetectorConfig.fail_slow_policy`.
 One fault is one incident. A node agent finds its ranks' fail-stops itself, reports them to the
 quorum service and forwards the incident; the core sees the same rank fall silent at about the
@@ -13,9 +13,21 @@ same moment, often a little before the agent's incident arrives (the agent forwa
 quorum report). So a fail-stop the core finds on a node whose agent is alive is held for
 `AGENT_GRACE_S`: the agent's incident for the rank drops it, and so does the rank beating again;
 otherwise it is stored and acted on. The held verdict is still in the state at once (the replica
-shows "down"). A node that went silent itself (host loss) has no agent left to say it: its
-ranks' fail-stops are not held. An agent's fail-stop whose quorum report failed is evicted from
-here (the central service may reach a quorum service the agent could not)."""
+shows "down").
+
+A node agent this service no longer hears (its node states stopped) is either gone with its
+host or cut from this service alone, and from here the two look the same: every rank behind it
+falls silent. Its ranks' fail-stops are neither stored nor reported (counted in
+`fthsdp_health_failstops_unreachable_total`, logged once per lost agent): behind a cut link the
+replica still trains and beats the quorum service, and evicting it would be a fault of this
+service's own making. Their liveness is the quorum service's business: its heartbeat timeout
+evicts a replica whose host died, and an agent cut from here still reports its own ranks'
+deaths to the quorum service (its incidents reach this service once the link is back). A held
+verdict whose agent falls silent within the grace is dropped the same way.
+
+An agent's fail-stop whose quorum report failed is evicted from here (the central service may
+reach a quorum service the agent could not), for the incarnation the agent named: a replica
+back as a newer incarnation meanwhile is not evicted with it."""
 
 from __future__ import annotations
 
@@ -98,12 +110,14 @@ class CentralEngine:
         self._nodes: dict[str, NodeView] = {}
         self._agent_failstops: set[RankId] = set()
         self._held: dict[RankId, tuple[float, Incident]] = {}
+        """Fail-stops found here on a live agent's node -> (when they are acted on, incident)."""
+        self._lost_agents: set[str] = set()
+        """Nodes whose agent fell silent with ranks behind it (logged once until heard again)."""
         self._agent_teardowns: dict[tuple[str, str], float] = {}
         """(replica, node) pairs an agent tore down after a fail-stop it found, and when: the
         silence of that replica's other ranks on that node is explained, and reported by the
         agent for the right incarnation. A report from here would name no incarnation, and
         evict a warm spare that took over as the next one within the grace."""
-        """Fail-stops found here on a live agent's node -> (when they are acted on, incident)."""
         self._task: asyncio.Task[None] | None = None
         self._actions: set[asyncio.Task[None]] = set()
         self._store_failing = False
@@ -146,6 +160,9 @@ class CentralEngine:
 
     def _node_state(self, state: NodeState) -> None:
         now = self._clock()
+        if state.node in self._lost_agents:
+            self._lost_agents.discard(state.node)
+            log.info("node agent %s is heard again", state.node, extra={"node": state.node})
         for entry in state.ranks:
             self._agent_failstops.discard(entry.rank)  # it beats again
             self._held.pop(entry.rank, None)
@@ -306,18 +323,24 @@ class CentralEngine:
         return RankId(replica_id=incident.replica_id, rank=incident.rank) in self._agent_failstops
 
     def _hold(self, incident: Incident, now: float) -> bool:
-        """Holds a fail-stop of a rank on a live agent's node (that agent reports it)."""
+        """Whether a fail-stop found here is not acted on now: one on a live agent's node is
+        held (that agent reports it); one behind an agent no longer heard is left to the quorum
+        service (module docstring). A rank with no agent is this service's alone to watch."""
         if incident.kind != IncidentKind.FAIL_STOP or incident.rank is None:
             return False
-        if not self._agent_alive(incident.host, now):
+        if incident.host is None or incident.host not in self._nodes:
             return False
+        if not self._agent_alive(incident.host, now):
+            self._unreachable(incident)
+            return True
         rank = RankId(replica_id=incident.replica_id, rank=incident.rank)
         self._held[rank] = (now + AGENT_GRACE_S, incident)
         return True
 
     def _release_held(self, now: float) -> list[Incident]:
-        """Held fail-stops that are news after all: no agent incident came within the grace,
-        or the agent itself fell silent; those the agent reported are dropped."""
+        """Held fail-stops that are news after all: no agent incident came within the grace;
+        those the agent reported are dropped, and so are those whose agent fell silent (left to
+        the quorum service)."""
         released = []
         self._agent_teardowns = {
             key: at
@@ -328,10 +351,28 @@ class CentralEngine:
             torn = (incident.replica_id, incident.host or "") in self._agent_teardowns
             if rank in self._agent_failstops or torn:
                 del self._held[rank]
-            elif now >= due or not self._agent_alive(incident.host, now):
+            elif not self._agent_alive(incident.host, now):
+                del self._held[rank]
+                self._unreachable(incident)
+            elif now >= due:
                 del self._held[rank]
                 released.append(incident)
         return released
+
+    def _unreachable(self, incident: Incident) -> None:
+        """A fail-stop behind a node agent no longer heard: counted, not acted on."""
+        self._metrics.failstops_unreachable.inc()
+        node = incident.host or ""
+        if node in self._lost_agents:
+            return
+        self._lost_agents.add(node)
+        log.warning(
+            "node agent %s is not heard (host loss, or its link to this service cut): whether "
+            "its ranks live is left to the quorum service's heartbeats (first: replica %s)",
+            node,
+            incident.replica_id,
+            extra={"node": node, "replica_id": incident.replica_id, "rank": incident.rank},
+        )
 
     def _agent_alive(self, node: str | None, now: float) -> bool:
         view = self._nodes.get(node) if node is not None else None
@@ -346,6 +387,7 @@ class CentralEngine:
         quorum = self._quorum
         reason = f"{incident.kind.value}: {incident.summary}"
         teardown = self._tears_down(incident)
+        incarnation = _incarnation(incident)
 
         async def act() -> None:
             await quorum.report_failure(
@@ -353,6 +395,7 @@ class CentralEngine:
                 reason,
                 reporter=f"fthsdp-health:{self._config.node}",
                 teardown=teardown,
+                incarnation=incarnation,
             )
 
         task = asyncio.create_task(act())
@@ -372,3 +415,10 @@ class CentralEngine:
     def nodes(self) -> list[NodeView]:
         """Every node agent heard from, sorted by name."""
         return [self._nodes[name] for name in sorted(self._nodes)]
+
+
+def _incarnation(incident: Incident) -> int | None:
+    """The incarnation an agent's incident names (its evidence is untrusted JSON); None for
+    this service's own verdicts, which cannot tell one incarnation from the next."""
+    value = incident.evidence.get("incarnation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

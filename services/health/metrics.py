@@ -49,6 +49,12 @@ class HealthMetrics:
             ["outcome"],
             registry=r,
         )
+        self.failstops_unreachable = Counter(
+            "fthsdp_health_failstops_unreachable_total",
+            "Fail-stops the central service found behind a node agent it no longer hears (host "
+            "loss or a cut link), left to the quorum service's heartbeats instead of reported.",
+            registry=r,
+        )
         self.forwards = Counter(
             "fthsdp_health_forwards_total",
             "Agent batches forwarded to the central service, by outcome (ok, failed).",

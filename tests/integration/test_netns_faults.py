@@ -189,10 +189,9 @@ def test_a_replica_cut_from_health_central_only_is_not_evicted(
     netns_session: Mechanisms, tmp_path: Path
 ) -> None:
     """I1 I2 I6. Its host cannot reach health central, but trains and beats the quorum service
-    as before: nothing may evict it. Known gap (issue 15), not fixed here: central takes the
-    silence of a node's ranks behind a lost agent link for a fail-stop and reports it to the
-    quorum service (services/health/central.py, `_hold` / `_release_held`); this test xfails
-    while it does, and passes once central leaves that to the quorum service's heartbeats."""
+    as before: nothing may evict it. Central sees every rank behind the lost agent link fall
+    silent, and leaves their liveness to the quorum service's heartbeats instead of reporting
+    fail-stops (issue 15; before the fix it evicted the victim about 1 s into the cut)."""
     require_mechanism("static neighbours")
     run = run_netns_demo(
         tmp_path / "run", "--kill-mode", "health-cut", "--kill-every", "5",
@@ -205,8 +204,7 @@ def test_a_replica_cut_from_health_central_only_is_not_evicted(
     log = RunLog.load(run.run_dir)
     (inject,) = log.of_type(InjectEvent)
     evicted = [q for q in log.of_type(QuorumEvent) if q.t > inject.t and victim not in q.members]
-    if evicted:
-        pytest.xfail(f"known gap: central evicted {victim} on a lost agent link: {evicted[0]}")
+    assert not evicted, f"a lost link to health central got {victim} evicted: {evicted[0]}"
 
 
 def test_a_slow_replica_link_slows_the_job_and_evicts_nobody(

@@ -1,6 +1,7 @@
 """One fault, one incident: the central engine's fail-stop verdict on a live node agent's rank
-waits for that agent's own incident, and is acted on only when none comes (fake clock, in-memory
-store, a recording quorum link)."""
+waits for that agent's own incident, and is acted on only when none comes; behind an agent it no
+longer hears (host loss, or a link cut from central alone) it is not acted on at all (fake clock,
+in-memory store, a recording quorum link)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.store import InMemoryTelemetryStore
-from fthsdp.services.health.telemetry import Incident, IncidentKind, RankId
+from fthsdp.services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
 
 R1 = RankId(replica_id="r1", rank=0)
 R0 = RankId(replica_id="r0", rank=0)
@@ -31,21 +32,29 @@ class Clock:
 
 class RecordingQuorum:
     def __init__(self) -> None:
-        self.reports: list[tuple[str, bool]] = []
+        self.reports: list[tuple[str, bool, int | None]] = []
 
     async def report_failure(
-        self, replica_id: str, reason: str, *, reporter: str, teardown: bool
+        self,
+        replica_id: str,
+        reason: str,
+        *,
+        reporter: str,
+        teardown: bool,
+        incarnation: int | None,
     ) -> str:
-        self.reports.append((replica_id, teardown))
+        self.reports.append((replica_id, teardown, incarnation))
         return "evicted"
 
 
-def _engine(clock: Clock, quorum: RecordingQuorum | None = None) -> CentralEngine:
+def _engine(
+    clock: Clock, quorum: RecordingQuorum | None = None, metrics: HealthMetrics | None = None
+) -> CentralEngine:
     return CentralEngine(
         HealthConfig(mode="central", failure_action="kill"),
         DetectorConfig(heartbeat_timeout_s=TIMEOUT_S),
         InMemoryTelemetryStore(),
-        HealthMetrics(CollectorRegistry()),
+        metrics or HealthMetrics(CollectorRegistry()),
         quorum=quorum,  # type: ignore[arg-type]
         clock=clock,
     )
@@ -58,7 +67,12 @@ def _node_state(*ranks: RankId) -> ReportBatch:
     )
 
 
-def _agent_failstop(quorum: str, *, rank: int = 0, action: str = "report") -> ReportBatch:
+def _agent_failstop(
+    quorum: str, *, rank: int = 0, action: str = "report", incarnation: int | None = None
+) -> ReportBatch:
+    evidence: dict[str, Any] = {"found_by": "agent:node-a", "quorum": quorum, "action": action}
+    if incarnation is not None:
+        evidence["incarnation"] = incarnation
     incident = Incident(
         kind=IncidentKind.FAIL_STOP,
         replica_id="r1",
@@ -66,7 +80,7 @@ def _agent_failstop(quorum: str, *, rank: int = 0, action: str = "report") -> Re
         host="node-a",
         detected_at=0.0,
         summary=f"rank {rank} of replica r1 stopped heartbeating",
-        evidence={"found_by": "agent:node-a", "quorum": quorum, "action": action},
+        evidence=evidence,
     )
     return ReportBatch(source="agent:node-a", host="node-a", incidents=(incident,))
 
@@ -111,7 +125,7 @@ async def test_central_verdict_is_acted_on_when_the_live_agent_says_nothing() ->
     await _run(engine, clock, AGENT_GRACE_S, R0)
     assert await _stored(engine) == [("fail_stop", "r1", "central")]
     await _drain(engine)
-    assert quorum.reports == [("r1", True)]
+    assert quorum.reports == [("r1", True, None)]
 
 
 async def test_a_replica_its_agent_tore_down_is_not_evicted_again_from_here() -> None:
@@ -130,14 +144,72 @@ async def test_a_replica_its_agent_tore_down_is_not_evicted_again_from_here() ->
     assert await _stored(engine) == [("fail_stop", "r1", "agent:node-a")]
 
 
-async def test_a_silent_node_is_no_reason_to_wait() -> None:
+async def _silent_node(engine: CentralEngine, clock: Clock, seconds: float) -> None:
+    """The node agent's link is lost (or its host with it): no node state any more."""
+    for _ in range(round(seconds / 0.1)):
+        clock.now += 0.1
+        await engine.evaluate_once()
+
+
+async def test_ranks_behind_an_agent_no_longer_heard_are_left_to_the_quorum_service() -> None:
+    """Host loss and a link cut from central alone look the same from here; behind a cut link
+    the replica still trains and beats the quorum service, so nothing is reported or stored
+    (the quorum service's heartbeat timeout evicts a dead host)."""
+    clock, quorum, metrics = Clock(), RecordingQuorum(), HealthMetrics(CollectorRegistry())
+    engine = _engine(clock, quorum, metrics)
+    await _run(engine, clock, 1.0, R0, R1)
+    await _silent_node(engine, clock, TIMEOUT_S + AGENT_GRACE_S + 1.0)
+    await _drain(engine)
+    assert quorum.reports == []
+    assert await _stored(engine) == []
+    assert _unreachable(metrics) == 2
+    # The link is back and the ranks beat again: healthy, and nothing was ever an incident.
+    await _run(engine, clock, 0.3, R0, R1)
+    assert (_state(engine, "r0"), _state(engine, "r1")) == ("healthy", "healthy")
+    assert await _stored(engine) == []
+
+
+async def test_a_held_verdict_whose_agent_falls_silent_in_the_grace_is_dropped() -> None:
+    """The race of a cut: the ranks' last beats are up to a beat older than the agent's last
+    node state, so the core finds them silent while the agent still counts as alive (held),
+    and only then does the agent's silence show."""
     clock, quorum = Clock(), RecordingQuorum()
     engine = _engine(clock, quorum)
     await _run(engine, clock, 1.0, R0, R1)
-    # The whole host goes: no node state any more, so nobody else will report its ranks.
-    for _ in range(round((TIMEOUT_S + 0.3) / 0.1)):
+    await _run(engine, clock, TIMEOUT_S + 0.3, R0)  # r1 is held
+    assert _state(engine, "r1") == "down"
+    await _silent_node(engine, clock, AGENT_GRACE_S + TIMEOUT_S)
+    await _drain(engine)
+    assert quorum.reports == []
+    assert await _stored(engine) == []
+
+
+async def test_a_rank_dying_once_its_agent_is_heard_again_is_reported() -> None:
+    clock, quorum = Clock(), RecordingQuorum()
+    engine = _engine(clock, quorum)
+    await _run(engine, clock, 1.0, R0, R1)
+    await _silent_node(engine, clock, TIMEOUT_S + 1.0)
+    await _run(engine, clock, 1.0, R0, R1)
+    # r1 dies with its agent connected, and the agent says nothing: acted on after the grace.
+    await _run(engine, clock, TIMEOUT_S + AGENT_GRACE_S + 0.3, R0)
+    await _drain(engine)
+    assert quorum.reports == [("r1", True, None)]
+    assert await _stored(engine) == [("fail_stop", "r1", "central")]
+
+
+async def test_ranks_with_no_agent_are_reported_at_once() -> None:
+    """Ranks that beat straight to the central service (no node agent, as under `fthsdp up`):
+    it is their only watcher, so their silence is reported without a grace."""
+    clock, quorum = Clock(), RecordingQuorum()
+    engine = _engine(clock, quorum)
+    for _ in range(10):
         clock.now += 0.1
+        beats = tuple(Heartbeat(rank=r, host="node-b", step=3, at=clock.now) for r in (R0, R1))
+        await engine.ingest(ReportBatch(source="rank", host="node-b", heartbeats=beats))
         await engine.evaluate_once()
+    await _silent_node(engine, clock, TIMEOUT_S + 0.3)
+    await _drain(engine)
+    assert sorted(quorum.reports) == [("r0", True, None), ("r1", True, None)]
     assert sorted(await _stored(engine)) == [
         ("fail_stop", "r0", "central"),
         ("fail_stop", "r1", "central"),
@@ -157,16 +229,26 @@ async def test_a_rank_beating_again_during_the_grace_is_no_incident() -> None:
 async def test_an_agent_incident_whose_quorum_report_failed_is_evicted_from_here() -> None:
     clock, quorum = Clock(), RecordingQuorum()
     engine = _engine(clock, quorum)
-    await engine.ingest(_agent_failstop("failed"))
+    await engine.ingest(_agent_failstop("failed", incarnation=3))
     await _drain(engine)
-    assert quorum.reports == [("r1", True)]
-    await engine.ingest(_agent_failstop("evicted"))
+    # For the incarnation the agent named: a newer one that took over meanwhile stays.
+    assert quorum.reports == [("r1", True, 3)]
+    await engine.ingest(_agent_failstop("evicted", incarnation=3))
     await _drain(engine)
-    assert quorum.reports == [("r1", True)]
+    assert quorum.reports == [("r1", True, 3)]
+    await engine.ingest(_agent_failstop("failed", incarnation=True))  # type: ignore[arg-type]
+    await _drain(engine)
+    assert quorum.reports[-1] == ("r1", True, None)  # not an incarnation: the JSON is untrusted
 
 
 async def _drain(engine: CentralEngine) -> None:
     await engine.stop()  # waits for the pending evictions
+
+
+def _unreachable(metrics: HealthMetrics) -> float:
+    """Fail-stops left to the quorum service, from the metric."""
+    value = metrics.registry.get_sample_value("fthsdp_health_failstops_unreachable_total")
+    return value or 0.0
 
 
 def _state(engine: CentralEngine, replica_id: str) -> str:
