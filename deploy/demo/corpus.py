@@ -7,17 +7,24 @@ unit test checks the committed file still matches the generator.
 
 Samples are addressed by a global id, not by a position in an epoch: the training loop hands out
 ids exactly once (invariant I2), and `CharDataset.sample(id)` turns an id into the same window on
-every replica and every restart."""
+every replica and every restart.
+
+`PackedDataset` (`--seq-len-mix phases|random`) packs variable-length documents into a fixed
+token budget per sample, as large-scale training does (ResiHP's setting): the tokens are constant
+but attention, which stays inside each document, costs Σ l². Its document lengths are a pure
+function of the sample id too."""
 
 from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+from fthsdp.deploy.demo.mixes import SEQ_LEN_MIXES
 
 CORPUS_PATH = Path(__file__).resolve().parent / "corpus.txt"
 CORPUS_SEED = 20240611
@@ -26,6 +33,19 @@ CORPUS_TARGET_BYTES = 200_000
 # Knuth's multiplicative-hash constant: odd and large, so consecutive ids land far apart in the
 # corpus and a batch does not see overlapping windows.
 _STRIDE = 2_654_435_761
+
+PACK_BUDGET = 512
+"""Tokens per packed sample. Long enough for attention to matter next to the MLP on a CPU: at
+512, the forward and backward of whole-budget documents take ~2.4x those of 16-token documents
+(at 256, ~1.4x: within a loaded machine's noise)."""
+PHASE_ROUNDS = 20
+"""`phases`: micro-batches of every rank of every replica per phase (20 steps without gradient
+accumulation: one step takes one micro-batch of each)."""
+DOC_CHAR = "\x02"
+"""Starts every document of a packed sample (ASCII start of text; never in the corpus)."""
+_SHORT: tuple[int, ...] = (8, 16, 32)
+_LONG: tuple[int, ...] = (256, 512)
+_ANY: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
 
 _SUBJECTS = (
     ("the replica", "s"),
@@ -141,6 +161,9 @@ def generate_corpus(*, seed: int = CORPUS_SEED, target_bytes: int = CORPUS_TARGE
 class CharDataset:
     """Character-level windows over the corpus, addressed by global sample id."""
 
+    doc_token: int | None = None
+    """The token that starts each document of a sample; None: a sample is one document."""
+
     def __init__(self, *, block_size: int = 64, text: str | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -184,6 +207,20 @@ class CharDataset:
         start = (global_id * _STRIDE) % (self._starts + 1)
         return self.data[start : start + self.block_size + 1].clone()
 
+    def lengths(self, global_id: int) -> tuple[int, ...]:
+        """The lengths of the documents of sample `global_id`'s inputs: one full block."""
+        return (self.block_size,)
+
+    def work(self, global_ids: Iterable[int]) -> tuple[int, int]:
+        """(tokens, Σ l²) of these samples: what their forward and backward cost (the health
+        service's fail-slow predictor explains step time by them)."""
+        tokens = sum_sq = 0
+        for global_id in global_ids:
+            lengths = self.lengths(global_id)
+            tokens += sum(lengths)
+            sum_sq += sum(length * length for length in lengths)
+        return tokens, sum_sq
+
     @staticmethod
     def collate(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Stack windows into (x[B, T], y[B, T]) with y shifted by one."""
@@ -191,6 +228,79 @@ class CharDataset:
             raise ValueError("collate needs at least one sample")
         batch = torch.stack(list(samples))
         return batch[:, :-1], batch[:, 1:]
+
+
+class PackedDataset(CharDataset):
+    """Samples of `budget` tokens packed from whole documents of varying length (`mix`).
+
+    Document j of sample i is `DOC_CHAR` and then corpus text from a hashed offset; the lengths
+    are drawn from a `random.Random` seeded by i (stable across Python versions), filling the
+    budget exactly (the last document takes what is left), so sample i is a pure function of i.
+    The window's extra last token (the last input's target) is the `DOC_CHAR` that would start
+    the next document. With `phases`, the phase of sample i is `i // phase_samples`: pass the
+    ids one micro-batch of every rank takes together (replicas x ranks x micro-batch), so every
+    replica trains the same phase at the same step while they stand at the same position."""
+
+    def __init__(
+        self,
+        *,
+        mix: str,
+        budget: int = PACK_BUDGET,
+        phase_samples: int = 1,
+        text: str | None = None,
+    ) -> None:
+        if mix not in ("phases", "random"):
+            raise ValueError(f"mix must be phases or random, got {mix!r}")
+        if budget < max(_ANY):
+            raise ValueError(f"budget must be >= {max(_ANY)}")
+        if phase_samples < 1:
+            raise ValueError("phase_samples must be >= 1")
+        super().__init__(block_size=budget, text=text)
+        if DOC_CHAR in self._stoi:
+            raise ValueError("the text must not contain DOC_CHAR")
+        # Appended, not sorted in: the corpus characters keep the ids they have in CharDataset.
+        self.doc_token = len(self.chars)
+        self.chars = (*self.chars, DOC_CHAR)
+        self._stoi[DOC_CHAR] = self.doc_token
+        self.mix = mix
+        self.phase_samples = phase_samples * PHASE_ROUNDS
+
+    def lengths(self, global_id: int) -> tuple[int, ...]:
+        """Document lengths of sample `global_id`, in order; they sum to the budget."""
+        if global_id < 0:
+            raise ValueError("global_id must be >= 0")
+        rng = random.Random(global_id)
+        if self.mix == "random":
+            choices = _ANY
+        else:
+            choices = _LONG if (global_id // self.phase_samples) % 2 else _SHORT
+        out: list[int] = []
+        left = self.block_size
+        while left > 0:
+            out.append(min(rng.choice(choices), left))
+            left -= out[-1]
+        return tuple(out)
+
+    def sample(self, global_id: int) -> torch.Tensor:
+        """The (budget + 1,) int64 packed sample `global_id`."""
+        pieces = []
+        span = len(self.data) - self.block_size
+        for j, length in enumerate(self.lengths(global_id)):
+            start = ((global_id * 128 + j) * _STRIDE) % span
+            pieces.append(torch.tensor([self.doc_token]))
+            pieces.append(self.data[start : start + length - 1])
+        pieces.append(torch.tensor([self.doc_token]))
+        return torch.cat(pieces)
+
+
+def demo_dataset(mix: str, *, samples_per_round: int) -> CharDataset:
+    """The demo's dataset for a `--seq-len-mix` (SEQ_LEN_MIXES); `samples_per_round` is how many
+    sample ids one micro-batch of every rank of every replica takes (the phase unit)."""
+    if mix not in SEQ_LEN_MIXES:
+        raise ValueError(f"mix must be one of {SEQ_LEN_MIXES}, got {mix!r}")
+    if mix == "uniform":
+        return CharDataset()
+    return PackedDataset(mix=mix, phase_samples=samples_per_round)
 
 
 class CharWindows(Dataset[tuple[torch.Tensor, int]]):

@@ -29,6 +29,11 @@ class TinyGPTConfig:
     """Attention heads per block; must divide d_model."""
     d_model: int = 64
     """Width of the residual stream."""
+    doc_token: int | None = None
+    """The token id that starts every document of a packed sample (`corpus.PackedDataset`):
+    attention stays inside a document and positions restart at each one, so a document's
+    outputs do not depend on its neighbours and attention costs Σ l² over the documents, not
+    T² per sample. None: each sample is one sequence with plain causal attention."""
     dropout: float = 0.0
     """Dropout probability. Only 0 is accepted: dropout draws random numbers per rank, which would
     make replicas diverge unless every RNG stream were also replicated."""
@@ -42,8 +47,57 @@ class TinyGPTConfig:
             raise ValueError("n_layer must be >= 1")
         if self.n_head < 1 or self.d_model < 1 or self.d_model % self.n_head != 0:
             raise ValueError("d_model must be a positive multiple of n_head")
+        if self.doc_token is not None and not 0 <= self.doc_token < self.vocab_size:
+            raise ValueError("doc_token must be a token id below vocab_size")
         if self.dropout != 0.0:
             raise ValueError("dropout must be 0: the demo needs deterministic replicas")
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentLayout:
+    """The documents of a packed batch, regrouped for attention that costs Σ l².
+
+    The batch's tokens are flattened and reordered so that documents of equal length sit next to
+    each other (shortest first, each in its original order: a stable sort, so the layout is a
+    pure function of the token ids). Every group of n documents of length L is then one
+    [n, heads, L, L] causal attention: no query ever meets a key of another document, and the
+    work is Σ n·L² = Σ l², with one attention call per distinct length rather than per document.
+    Everything else in the model works token by token, so it runs on the reordered tokens
+    unchanged."""
+
+    order: torch.Tensor
+    """[B*T] int64: flattened token index at each reordered position."""
+    inverse: torch.Tensor
+    """[B*T] int64: reordered position of each flattened token (undoes `order`)."""
+    positions: torch.Tensor
+    """[B*T] int64: each reordered token's position inside its document."""
+    groups: tuple[tuple[int, int], ...]
+    """(length, documents) per run of equal-length documents, in reordered order."""
+
+
+def document_layout(idx: torch.Tensor, doc_token: int) -> DocumentLayout:
+    """Where the documents of `idx` [B, T] are: each starts at a `doc_token` or at the start of
+    its row (a sample never attends into the next one)."""
+    b, t = idx.shape
+    starts = idx == doc_token
+    starts[:, 0] = True
+    flat = starts.reshape(-1)
+    first = flat.nonzero().squeeze(1)  # each document's first flattened index, in order
+    ends = torch.cat([first[1:], first.new_tensor([b * t])])
+    lengths = ends - first
+    by_length = torch.sort(lengths, stable=True).indices
+    sorted_lengths = lengths[by_length]
+    # The flattened indices of the documents in sorted order, token by token.
+    doc_first = torch.repeat_interleave(first[by_length], sorted_lengths)
+    doc_offset = torch.arange(b * t, device=idx.device) - torch.repeat_interleave(
+        torch.cumsum(sorted_lengths, 0) - sorted_lengths, sorted_lengths
+    )
+    order = doc_first + doc_offset
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(b * t, device=idx.device)
+    values, counts = torch.unique_consecutive(sorted_lengths, return_counts=True)
+    groups = tuple(zip(values.tolist(), counts.tolist(), strict=True))
+    return DocumentLayout(order=order, inverse=inverse, positions=doc_offset, groups=groups)
 
 
 class CausalSelfAttention(nn.Module):
@@ -53,13 +107,31 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+        """x is [B, T, C] without `groups`; with them, [B*T, C] in `DocumentLayout` order."""
+        if groups:
+            return self._packed(x, groups)
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         shape = (b, t, self.n_head, c // self.n_head)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out: torch.Tensor = self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return out
+
+    def _packed(self, x: torch.Tensor, groups: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        c = x.shape[1]
+        qkv = self.qkv(x)
+        outputs = []
+        offset = 0
+        for length, documents in groups:
+            size = length * documents
+            chunk = qkv[offset : offset + size].view(documents, length, 3, self.n_head, -1)
+            q, k, v = (chunk[:, :, i].transpose(1, 2) for i in range(3))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            outputs.append(y.transpose(1, 2).reshape(size, c))
+            offset += size
+        out: torch.Tensor = self.proj(torch.cat(outputs))
         return out
 
 
@@ -75,8 +147,8 @@ class Block(nn.Module):
             nn.Linear(4 * config.d_model, config.d_model),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, groups: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), groups)
         out: torch.Tensor = x + self.mlp(self.ln2(x))
         return out
 
@@ -99,6 +171,8 @@ class TinyGPT(nn.Module):
         """Logits [B, T, vocab] and, with targets [B, T], the mean cross-entropy loss."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
+        if self.config.doc_token is not None:
+            return self._packed(idx, targets, self.config.doc_token)
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
@@ -110,6 +184,29 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def _packed(
+        self, idx: torch.Tensor, targets: torch.Tensor | None, doc_token: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass over packed documents (`DocumentLayout`): the tokens are reordered
+        once on the way in and the logits once on the way out."""
+        b, t = idx.shape
+        layout = document_layout(idx, doc_token)
+        if layout.groups[-1][0] > self.config.block_size:
+            raise ValueError(
+                f"document length {layout.groups[-1][0]} exceeds block_size "
+                f"{self.config.block_size}"
+            )
+        x = self.tok_emb(idx.reshape(-1)[layout.order]) + self.pos_emb(layout.positions)
+        for block in self.blocks:
+            x = block(x, layout.groups)
+        grouped = self.head(self.ln_f(x))
+        logits = grouped[layout.inverse].view(b, t, -1)
+        if targets is None:
+            return logits, None
+        # The mean over the same tokens as the unpacked loss, in the reordered order.
+        loss = F.cross_entropy(grouped, targets.reshape(-1)[layout.order])
         return logits, loss
 
 

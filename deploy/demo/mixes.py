@@ -1,0 +1,10 @@
+"""The demo's `--seq-len-mix` choices, torch-free so the CLI can list them without importing
+torch (`corpus.PackedDataset` builds the packed ones)."""
+
+from __future__ import annotations
+
+SEQ_LEN_MIXES = ("uniform", "phases", "random")
+"""Document lengths of the demo's samples: `uniform`, one window of `block_size` per sample (the
+default); `phases`, packed samples whose documents are short (8-32 tokens) and long (256-512
+tokens) in alternating phases of `corpus.PHASE_ROUNDS` micro-batches; `random`, packed samples
+whose documents are 8-512 tokens, drawn afresh for every document."""
