@@ -11,11 +11,13 @@ from datetime import timedelta
 from pathlib import Path
 
 from fthsdp.deploy import simulate_cli, status_cmd
+from fthsdp.deploy.demo.mixes import SEQ_LEN_MIXES
 from fthsdp.deploy.demo.supervisor import KILL_MODES, RESTART_POLICIES
 from fthsdp.deploy.netns_demo import HOSTS
 from fthsdp.deploy.up_cli import add_up_parser, run_up_command
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.health.config import FAILURE_ACTIONS
+from fthsdp.services.quorum.domain import FAILSLOW_POLICIES
 
 
 def _positive_seconds(text: str) -> timedelta:
@@ -70,7 +72,17 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--plot", type=Path, help="also copy the PNG plot here (default RUN_DIR/report.png)"
     )
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per micro-step")
+    p.add_argument(
+        "--micro-steps", type=int, default=1,
+        help="each replica's even share of micro-steps (gradient accumulation) per step; "
+        "--failslow-policy rebalance moves some from a slow replica to the fast ones (default 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--failslow-policy", choices=FAILSLOW_POLICIES, default="off",
+        help="fail-slow mitigation by the quorum service: off, rebalance (needs --micro-steps "
+        "> 1), evict (the slowest replica, when that pays) or auto (default off)",
+    )  # fmt: skip
     p.add_argument(
         "--durable-every-steps", type=int, default=25,
         help="durable checkpoint period in steps, 0 disables (default 25)",
@@ -104,6 +116,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--loader-workers", type=int, default=0,
         help="DataLoader worker processes per rank (default 0: load in the rank itself)",
+    )  # fmt: skip
+    p.add_argument(
+        "--seq-len-mix", choices=SEQ_LEN_MIXES, default="uniform",
+        help="document lengths: uniform (one 64-token window per sample, default); phases "
+        "(512-token samples packed from short, then long documents, alternating every 20 "
+        "micro-steps); random (packed from 8-512-token documents)",
     )  # fmt: skip
     p.add_argument(
         "--restart-policy", choices=RESTART_POLICIES, default="replica",
@@ -181,6 +199,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         run_dir=args.run_dir,
         micro_batch=args.micro_batch,
+        micro_steps=args.micro_steps,
+        failslow_policy=args.failslow_policy,
         durable_every_steps=args.durable_every_steps,
         heartbeat_timeout=timedelta(milliseconds=args.heartbeat_timeout_ms),
         join_timeout=timedelta(milliseconds=args.join_timeout_ms),
@@ -196,6 +216,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         fsdp=args.fsdp,
         overlap_backward=args.overlap_backward,
         loader_workers=args.loader_workers,
+        seq_len_mix=args.seq_len_mix,
         redis=args.redis,
         health=not args.no_health,
         on_failure=args.on_failure,

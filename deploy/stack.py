@@ -182,6 +182,7 @@ class LocalStack:
         heartbeat_timeout: timedelta = timedelta(seconds=1),
         join_timeout: timedelta = timedelta(seconds=2),
         min_replicas: int = 1,
+        failslow_policy: str = "off",
         shm_root: Path = Path("/dev/shm"),
         redis: bool = False,
         health: bool = True,
@@ -204,6 +205,7 @@ class LocalStack:
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
             min_replicas=min_replicas,
+            failslow_policy=failslow_policy,
         )
         self._embedded: QuorumServerThread | None = None
         self._store_back_at = 0.0
@@ -307,6 +309,7 @@ class LocalStack:
                     ("--min-replicas", config.min_replicas),
                     ("--heartbeat-timeout-ms", _ms(config.heartbeat_timeout)),
                     ("--join-timeout-ms", _ms(config.join_timeout)),
+                    ("--failslow-policy", config.failslow_policy),
                 ],
             )
             spec = ServiceSpec(

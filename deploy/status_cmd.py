@@ -93,4 +93,14 @@ def render(status: dict[str, Any]) -> str:
             f"{_clock(q['formed_at'])} UTC  id {q['quorum_id']:<6} step {q['max_step']:<7} "
             f"members {','.join(q['members'])}  ({q['reason']})"
         )
+    decisions = quorum.get("failslow", [])
+    if decisions:
+        lines += ["", "FAIL-SLOW DECISIONS (newest first)"]
+    for d in reversed(decisions):
+        moved = ",".join(f"{r}={k}" for r, k in sorted(d["shares"].items())) or "even"
+        evicted = f" evicted {','.join(d['evicted'])}" if d["evicted"] else ""
+        lines.append(
+            f"{_clock(d['decided_at'])} UTC  step {d['step']:<7} {d['action']:<9} "
+            f"micro-steps {moved}{evicted}  ({d['reason']})"
+        )
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from pathlib import Path
 from fthsdp.deploy.up import run_up
 from fthsdp.deploy.up_plan import UpConfig
 from fthsdp.services.common import logs
+from fthsdp.services.quorum.domain import FAILSLOW_POLICIES
 
 
 def _port(text: str) -> int:
@@ -86,6 +87,12 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )  # fmt: skip
     p.add_argument("--min-replicas", type=int, help="smallest quorum (default: the service's)")
     p.add_argument(
+        "--failslow-policy", choices=FAILSLOW_POLICIES,
+        help="fail-slow mitigation of the quorum service: move micro-steps from slow replicas "
+        "to fast ones (rebalance), evict the slowest, or choose (auto); ranks need "
+        "FTHSDP_MICRO_STEPS > 1 to rebalance (default off)",
+    )  # fmt: skip
+    p.add_argument(
         "--heartbeat-timeout-ms", type=int,
         help="the quorum service evicts a replica silent this long, ms (default: the service's)",
     )  # fmt: skip
@@ -153,6 +160,7 @@ def run_up_command(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         join_timeout_ms=args.join_timeout_ms,
+        failslow_policy=args.failslow_policy,
         shm_dir=args.shm_dir,
         durable_dir=args.durable_dir,
         env_file=args.env_file,

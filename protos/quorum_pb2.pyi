@@ -197,6 +197,11 @@ class QuorumRequest(_message.Message):
     COMMIT_FAILED_FIELD_NUMBER: _builtins.int
     KNOWN_QUORUM_ID_FIELD_NUMBER: _builtins.int
     ATTEMPT_ID_FIELD_NUMBER: _builtins.int
+    MICRO_STEPS_FIELD_NUMBER: _builtins.int
+    EVEN_MICRO_STEPS_FIELD_NUMBER: _builtins.int
+    MAX_MICRO_STEPS_FIELD_NUMBER: _builtins.int
+    BUSY_SECONDS_FIELD_NUMBER: _builtins.int
+    BUSY_MICRO_STEPS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The asking replica."""
     incarnation: _builtins.int
@@ -213,6 +218,20 @@ class QuorumRequest(_message.Message):
     """Client-chosen id of this logical call (0 = none); a retry with the same id after a lost
     answer gets the same answer instead of waiting for a new round.
     """
+    micro_steps: _builtins.int
+    """Fail-slow mitigation (see MicroStepShare). Micro-steps (forward and backward passes of the
+    whole replica, accumulated into one gradient) the replica trains in this step; absent: its
+    even share. At most 4096.
+    """
+    even_micro_steps: _builtins.int
+    """The job's even share of micro-steps per replica and step (0 means 1; at most 4096)."""
+    max_micro_steps: _builtins.int
+    """The most micro-steps the replica may train in one step (0: no limit)."""
+    busy_seconds: _builtins.float
+    """Compute time of the replica's last committed step, waiting on others excluded (0: unknown),
+    and how many micro-steps it trained: the service's measure of the replica's speed.
+    """
+    busy_micro_steps: _builtins.int
     def __init__(
         self,
         *,
@@ -222,12 +241,19 @@ class QuorumRequest(_message.Message):
         commit_failed: _builtins.bool = ...,
         known_quorum_id: _builtins.int = ...,
         attempt_id: _builtins.int = ...,
+        micro_steps: _builtins.int | None = ...,
+        even_micro_steps: _builtins.int = ...,
+        max_micro_steps: _builtins.int = ...,
+        busy_seconds: _builtins.float = ...,
+        busy_micro_steps: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_micro_steps", b"_micro_steps", "micro_steps", b"micro_steps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "commit_failed", b"commit_failed", "incarnation", b"incarnation", "known_quorum_id", b"known_quorum_id", "replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_micro_steps", b"_micro_steps", "attempt_id", b"attempt_id", "busy_micro_steps", b"busy_micro_steps", "busy_seconds", b"busy_seconds", "commit_failed", b"commit_failed", "even_micro_steps", b"even_micro_steps", "incarnation", b"incarnation", "known_quorum_id", b"known_quorum_id", "max_micro_steps", b"max_micro_steps", "micro_steps", b"micro_steps", "replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__micro_steps: _TypeAlias = _typing.Literal["micro_steps"]  # noqa: Y015
+    _WhichOneofArgType__micro_steps: _TypeAlias = _typing.Literal["_micro_steps", b"_micro_steps"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__micro_steps) -> _WhichOneofReturnType__micro_steps | None: ...
 
 Global___QuorumRequest: _TypeAlias = QuorumRequest  # noqa: Y015
 
@@ -338,6 +364,8 @@ class QuorumResponse(_message.Message):
     LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     MEMBERS_FORM_FIELD_NUMBER: _builtins.int
     LAGGING_FIELD_NUMBER: _builtins.int
+    EVEN_MICRO_STEPS_FIELD_NUMBER: _builtins.int
+    UNEVEN_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """Epoch of the membership: grows on every membership change or reported commit failure."""
     max_step: _builtins.int
@@ -348,6 +376,8 @@ class QuorumResponse(_message.Message):
     """Lease epoch of the answering leader (0 without a standby setup); see JoinResponse."""
     members_form: Global___MembersForm.ValueType
     """What `members` holds (see MembersForm)."""
+    even_micro_steps: _builtins.int
+    """Micro-steps of a member not listed in `uneven`, this step and next (0 means 1)."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuorumMember]:
         """Members sorted by replica_id: this order is the ring order. Empty in MEMBERS_FORM_SAME."""
@@ -360,6 +390,10 @@ class QuorumResponse(_message.Message):
     def lagging(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaggingMember]:
         """MEMBERS_FORM_SAME only: the members below max_step, in replica_id order."""
 
+    @_builtins.property
+    def uneven(self) -> _containers.RepeatedCompositeFieldContainer[Global___MicroStepShare]:
+        """The members whose micro-steps differ from the even share, in replica_id order."""
+
     def __init__(
         self,
         *,
@@ -371,14 +405,51 @@ class QuorumResponse(_message.Message):
         leader_epoch: _builtins.int = ...,
         members_form: Global___MembersForm.ValueType = ...,
         lagging: _abc.Iterable[Global___LaggingMember] | None = ...,
+        even_micro_steps: _builtins.int = ...,
+        uneven: _abc.Iterable[Global___MicroStepShare] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lagging", b"lagging", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "members_form", b"members_form", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["even_micro_steps", b"even_micro_steps", "lagging", b"lagging", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "members_form", b"members_form", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering", "uneven", b"uneven"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___QuorumResponse: _TypeAlias = QuorumResponse  # noqa: Y015
+
+@_typing.final
+class MicroStepShare(_message.Message):
+    """A member's share of the global batch in micro-steps, when it is not the even one. The
+    gradient of a step is the sum over the healthy members' micro-steps divided by their total
+    (every micro-step weighs the same), and each healthy member's data position advances by what
+    it trained. The service's fail-slow planner moves micro-steps from slow replicas to fast ones
+    through `next`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    TRAINED_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The member replica."""
+    trained: _builtins.int
+    """Micro-steps it trains in this step (what it asked with; counts only while it is healthy)."""
+    next: _builtins.int
+    """Micro-steps it trains in its next step."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        trained: _builtins.int = ...,
+        next: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next", b"next", "replica_id", b"replica_id", "trained", b"trained"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MicroStepShare: _TypeAlias = MicroStepShare  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):
@@ -680,6 +751,7 @@ class StatusResponse(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    FAILSLOW_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """The latest quorum id formed (0 if none)."""
     round: _builtins.int
@@ -694,6 +766,10 @@ class StatusResponse(_message.Message):
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuorumSummary]:
         """Recent quorums, oldest first."""
 
+    @_builtins.property
+    def failslow(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailSlowDecision]:
+        """The fail-slow planner's recent decisions, oldest first."""
+
     def __init__(
         self,
         *,
@@ -702,14 +778,61 @@ class StatusResponse(_message.Message):
         history: _abc.Iterable[Global___QuorumSummary] | None = ...,
         round: _builtins.int = ...,
         leader_epoch: _builtins.int = ...,
+        failslow: _abc.Iterable[Global___FailSlowDecision] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "leader_epoch", b"leader_epoch", "members", b"members", "quorum_id", b"quorum_id", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failslow", b"failslow", "history", b"history", "leader_epoch", b"leader_epoch", "members", b"members", "quorum_id", b"quorum_id", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class FailSlowDecision(_message.Message):
+    """A change the fail-slow planner made, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECIDED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    UNEVEN_FIELD_NUMBER: _builtins.int
+    EVICTED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    decided_unix_ms: _builtins.int
+    """When it decided (milliseconds since the Unix epoch)."""
+    step: _builtins.int
+    """The step of the round it decided in."""
+    action: _builtins.str
+    """keep (every replica its even share), rebalance (uneven shares) or evict."""
+    reason: _builtins.str
+    """Why, with the predicted rates of each option."""
+    @_builtins.property
+    def uneven(self) -> _containers.RepeatedCompositeFieldContainer[Global___MicroStepShare]:
+        """The shares it chose that differ from the even one."""
+
+    @_builtins.property
+    def evicted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The replicas it evicted."""
+
+    def __init__(
+        self,
+        *,
+        decided_unix_ms: _builtins.int = ...,
+        step: _builtins.int = ...,
+        action: _builtins.str = ...,
+        uneven: _abc.Iterable[Global___MicroStepShare] | None = ...,
+        evicted: _abc.Iterable[_builtins.str] | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "decided_unix_ms", b"decided_unix_ms", "evicted", b"evicted", "reason", b"reason", "step", b"step", "uneven", b"uneven"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailSlowDecision: _TypeAlias = FailSlowDecision  # noqa: Y015
 
 @_typing.final
 class WatchRequest(_message.Message):

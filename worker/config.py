@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from fthsdp.services.common.private_dir import default_shm_dir
 from fthsdp.services.common.tokens import load_token
+from fthsdp.services.quorum.domain import MAX_MICRO_STEPS
 
 _ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 LR_POLICIES = ("none", "sqrt", "linear")
@@ -79,6 +80,17 @@ class ManagerConfig:
     `total_replicas` replicas (`lr_factor`): `sqrt`, `linear` or `none`. The factor multiplies
     whatever the user's scheduler set for the step and is undone right after the optimizer step,
     so schedulers keep their own arithmetic."""
+    micro_steps: int = 1
+    """The replica's even share of the global batch per step, in micro-steps: forward and
+    backward passes (each over every rank's micro-batch) accumulated into one gradient. The
+    quorum service's fail-slow planner (its `--failslow-policy`: off, rebalance, evict or auto)
+    may give a slow replica fewer and the fast ones more; `Manager.micro_steps` says how many
+    this step has. Rebalancing needs several (e.g. 4); with 1 there is nothing to move. Every
+    micro-step's loss should be the mean over its samples, not divided by the micro-steps: the
+    Manager divides the exchanged sum by the step's total micro-steps."""
+    max_micro_steps: int = 0
+    """The most micro-steps the planner may give this replica in one step (0: no limit), e.g.
+    where activations are kept across micro-steps."""
     bucket_bytes: int = 8 << 20
     """Gradients are exchanged in buckets of about this many bytes, each its own FTAR work."""
     exchange_timeout: timedelta = timedelta(seconds=30)
@@ -130,6 +142,10 @@ class ManagerConfig:
             raise ValueError("max_failed_commits must be >= 1")
         if self.durable_every_steps < 0:
             raise ValueError("durable_every_steps must be >= 0")
+        if not 1 <= self.micro_steps <= MAX_MICRO_STEPS:
+            raise ValueError(f"micro_steps must be in 1..{MAX_MICRO_STEPS}")
+        if not 0 <= self.max_micro_steps <= MAX_MICRO_STEPS:
+            raise ValueError(f"max_micro_steps must be in 0..{MAX_MICRO_STEPS}")
         if self.fingerprint_every_steps < 0:
             raise ValueError("fingerprint_every_steps must be >= 0")
         for name in ("control_plane_grace", "position_record_interval"):
@@ -158,6 +174,7 @@ class ManagerConfig:
         | `FTHSDP_QUORUM`, `FTHSDP_CHECKPOINT_URL`, `FTHSDP_SHM_DIR`, `FTHSDP_HEALTH` | services |
         | `FTHSDP_TOKEN` or `FTHSDP_TOKEN_FILE` | token |
         | `FTHSDP_LR_POLICY`, `FTHSDP_METRICS_PORT`, `FTHSDP_DURABLE_EVERY_STEPS` | as named |
+        | `FTHSDP_MICRO_STEPS`, `FTHSDP_MAX_MICRO_STEPS` | as named |
 
         A missing required variable raises ValueError naming it."""
         environ = os.environ if env is None else env
@@ -192,5 +209,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "lr_policy": ("FTHSDP_LR_POLICY", str),
     "metrics_port": ("FTHSDP_METRICS_PORT", int),
     "durable_every_steps": ("FTHSDP_DURABLE_EVERY_STEPS", int),
+    "micro_steps": ("FTHSDP_MICRO_STEPS", int),
+    "max_micro_steps": ("FTHSDP_MAX_MICRO_STEPS", int),
 }
 """`ManagerConfig.from_env`: field → (variable, type)."""

@@ -74,12 +74,24 @@ class DataPositions:
         return self._positions.get(replica, 0)
 
     def advance(self, contributors: Iterable[str], samples: int) -> dict[str, tuple[int, int]]:
-        """Records a committed step; returns each contributor's trained range [start, end)."""
+        """Records a committed step in which every contributor trained `samples`; returns each
+        contributor's trained range [start, end)."""
+        return self.advance_by(dict.fromkeys(contributors, samples))
+
+    def advance_by(self, samples: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """Records a committed step in which each replica trained its own number of samples
+        (uneven micro-steps); returns the trained range [start, end) of each replica that
+        trained any."""
         trained = {}
-        for replica in sorted(set(contributors)):
+        for replica in sorted(samples):
+            count = samples[replica]
+            if count < 0:
+                raise ValueError(f"{replica!r} cannot train {count} samples")
+            if count == 0:
+                continue
             start = self.get(replica)
-            self._set(replica, start + samples)
-            trained[replica] = (start, start + samples)
+            self._set(replica, start + count)
+            trained[replica] = (start, start + count)
         return trained
 
     def copy(self) -> DataPositions:

@@ -269,16 +269,18 @@ class GradientExchange:
         self._gathered = True
         return True
 
-    def apply(self) -> None:
-        """Writes the averaged gradient into `.grad` (replicated: gathered inside the replica,
-        by `agree` unless it could not)."""
+    def apply(self, scale: float = 1.0) -> None:
+        """Writes the averaged gradient, times `scale`, into `.grad` (replicated: gathered
+        inside the replica, by `agree` unless it could not, and divided by its ranks). `scale`
+        weighs uneven micro-steps (`StepPlan.gradient_scale`)."""
         gathered, self._gathered = self._gathered, False
+        if not self.sharded:
+            scale /= self._group.world_size
         for bucket in self._buckets:
-            if not self.sharded:
-                if not gathered:
-                    self._group.gather_slices_(bucket.result)
-                if self._group.world_size > 1:
-                    bucket.result.mul_(1.0 / self._group.world_size)
+            if not self.sharded and not gathered:
+                self._group.gather_slices_(bucket.result)
+            if scale != 1.0:
+                bucket.result.mul_(scale)
             offset = 0
             for p in bucket.params:
                 target = local(p)

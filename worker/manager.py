@@ -55,6 +55,7 @@ from fthsdp.worker.step import (
     StepOutcome,
     TooManyFailedCommits,
 )
+from fthsdp.worker.step_account import StepAccount
 from fthsdp.worker.step_meta import durable_due, read_state_meta, state_meta
 from fthsdp.worker.telemetry import StepTelemetry
 
@@ -110,8 +111,7 @@ class Manager:
         self._last_outcome: StepOutcome | None = None
         self._callback_queued = False
         self._no_sync = 0
-        self._work: tuple[int, int] = (0, 0)
-        """Tokens and Σ seq_len² of the current step (`report_work`)."""
+        self._account = StepAccount(even=config.micro_steps, max_micro_steps=config.max_micro_steps)
         self._hooks = [
             param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 lambda _param, index=index: self._on_grad(index)
@@ -126,7 +126,6 @@ class Manager:
         self._fetch_cancel = threading.Event()
         """Set to stop the catch-up fetch in flight (its attempt failed, or the manager closes)."""
         self._relay, self._endpoints, relays = gather_endpoints(group, self._ring.address, config)
-        self._step_started: float | None = None
         self._records = (
             PositionRecords(self._peer_state, self._executor, config.position_record_interval)
             if group.is_leader and config.position_record_interval is not None
@@ -202,14 +201,20 @@ class Manager:
         """Starts a step: the leader's quorum request goes out so that it overlaps the forward
         pass. `OptimizerWrapper.zero_grad` calls it; a backward not preceded by it starts the
         step itself (then the request no longer overlaps the forward). A step the replica agreed
-        on but whose
-        `should_commit` was never called (a GradScaler that skipped the optimizer step on an
-        overflow) is committed here: its samples were trained, with no update."""
+        on but whose `should_commit` was never called (a GradScaler that skipped the optimizer
+        step on an overflow) is committed here: its samples were trained, with no update."""
         if self._synced is not None:
             self._commit_synced()
-        if self._step_started is None:
-            self._step_started = time.time()
-        self._plans.request(self.step)
+        self._account.start()
+        self._plans.request(self.step, work=self._account.request())
+
+    @property
+    def micro_steps(self) -> int:
+        """How many micro-steps this replica trains in the current step: forward and backward
+        passes, all but the last inside `no_sync()`, each over the next batch of the loader.
+        `ManagerConfig.micro_steps` unless the quorum service's fail-slow planner moved some
+        (it may be 0: then the step runs no backward and just calls `optimizer.step()`)."""
+        return self._account.micro_steps
 
     def should_commit(self) -> bool:
         """Whether to apply the optimizer step now; call it after backward (the wrapper's
@@ -223,7 +228,7 @@ class Manager:
         Raises RuntimeError when no step is in progress (no `start_step()`/`zero_grad()` or
         backward since the last commit)."""
         if self._synced is None:
-            if self._step_started is None and self._overlap is None:
+            if self._account.started is None and self._overlap is None:
                 raise RuntimeError(
                     "no step in progress: call optimizer.zero_grad() (or manager.start_step()) "
                     "and backward before optimizer.step() / should_commit()"
@@ -262,7 +267,7 @@ class Manager:
     def report_work(self, *, tokens: int, sum_seq_len_sq: int) -> None:
         """This rank's work in the current step, for the health service's fail-slow predictor:
         tokens and Σ l² over its sequences. Optional; the last call of a step counts."""
-        self._work = (tokens, sum_seq_len_sq)
+        self._account.report_work(tokens, sum_seq_len_sq)
 
     @property
     def last_outcome(self) -> StepOutcome | None:
@@ -322,14 +327,14 @@ class Manager:
                 seconds["quorum"] += time.monotonic() - t0
                 recovering = self._attempt(plan, seconds)
             if recovering is not None:
-                self._exchange.apply()
+                self._exchange.apply(plan.gradient_scale())
                 self._synced = AgreedStep(
                     plan=plan, attempt=attempt, recovered=recovering, seconds=seconds, began=began
                 )
                 return
             if self.metrics is not None:
                 self.metrics.failed_attempts.inc()
-            self._plans.request(self.step, commit_failed=True)
+            self._plans.request(self.step, commit_failed=True, work=self._account.request())
         raise TooManyFailedCommits(
             f"replica {self.config.replica_id} failed to commit step {self.step} "
             f"{self.config.max_failed_commits} times in a row"
@@ -445,7 +450,10 @@ class Manager:
         synced, self._synced = self._synced, None
         assert synced is not None
         plan = synced.plan
-        trained = self.positions.advance(plan.healthy, self.samples_per_step)
+        micro = plan.micro_steps
+        trained = self.positions.advance_by(
+            {r: micro.trained_by(r) * self.samples_per_step for r in plan.healthy}
+        )
         committed = self.step
         self.step += 1
         if self._records is not None:
@@ -453,7 +461,15 @@ class Manager:
         outcome = synced.outcome(committed, trained)
         seconds = outcome.seconds
         self._last_outcome = outcome
-        self._report_step(committed, seconds, plan.quorum_id)
+        cost = self._account.committed(seconds, micro.next_for(self.config.replica_id))
+        if cost is not None:
+            state = self._state
+            self._telemetry.committed(
+                committed,
+                cost,
+                quorum_id=plan.quorum_id,
+                digest=lambda: fingerprint(state.core_tensors()),
+            )
         if self.metrics is not None:
             self.metrics.committed(
                 seconds=seconds,
@@ -538,20 +554,6 @@ class Manager:
         return self._peer_state.fetch_peer(
             plan.sources, plan.max_step, cancelled=cancelled, sources_in=sources_in
         )
-
-    def _report_step(self, step: int, seconds: dict[str, float], quorum_id: int) -> None:
-        started, self._step_started = self._step_started, None
-        (tokens, sum_seq_len_sq), self._work = self._work, (0, 0)
-        if started is not None:
-            self._telemetry.committed(
-                step,
-                started_at=started,
-                waiting_s=sum(seconds[phase] for phase in WAITING_PHASES),
-                tokens=tokens,
-                sum_seq_len_sq=sum_seq_len_sq,
-                quorum_id=quorum_id,
-                digest=lambda: fingerprint(self._state.core_tensors()),
-            )
 
     # ---- state -------------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@ derives its own `StepPlan`: its ring (rank i of every member), the contributors,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from fthsdp.services.quorum.client import Quorum
+from fthsdp.services.quorum.client import MicroSteps, Quorum
 
 _MAX_PAYLOAD_BYTES = 16 << 20
 
@@ -45,11 +46,25 @@ class StepPlan:
     fallback: bool = False
     """The leader could not reach the quorum service and reused the previous quorum for this
     step (see `fallback_payload`); its exchange gets a short timeout."""
+    micro_steps: MicroSteps = field(default_factory=MicroSteps)
+    """Micro-steps each member trains in this step and its next (fail-slow mitigation)."""
 
     @property
     def num_healthy(self) -> int:
         """How many replicas contribute to this step's gradient."""
         return len(self.healthy)
+
+    @property
+    def total_micro_steps(self) -> int:
+        """Micro-steps the healthy replicas train together in this step."""
+        return self.micro_steps.total(self.healthy)
+
+    def gradient_scale(self) -> float:
+        """What the exchanged gradient (summed over the healthy replicas, divided by their
+        number) is multiplied by so that every micro-step weighs the same: 1.0 for an even
+        split of one micro-step each."""
+        total = self.total_micro_steps
+        return 1.0 if total in (0, self.num_healthy) else self.num_healthy / total
 
 
 def encode_quorum(quorum: Quorum, replica_id: str) -> bytes:
@@ -71,6 +86,13 @@ def encode_quorum(quorum: Quorum, replica_id: str) -> bytes:
         "sources": [list(ids) for ids in quorum.sources.get(replica_id, ())],
         "serve": serves,
     }
+    micro = quorum.micro_steps
+    if micro != MicroSteps():
+        body["micro_steps"] = {
+            "even": micro.even,
+            "trained": dict(micro.trained),
+            "next": dict(micro.next),
+        }
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -120,6 +142,7 @@ def encode_steady(previous: tuple[Quorum, bytes] | None, quorum: Quorum, replica
             parts is not None
             and last.quorum_id == quorum.quorum_id
             and last.healthy == quorum.healthy
+            and last.micro_steps == quorum.micro_steps
             and not last.sources
             and not quorum.sources
         ):
@@ -156,6 +179,9 @@ def fallback_payload(plan: StepPlan | None, sent: bytes | None, step: int) -> by
     body = json.loads(sent)
     body["max_step"] = step
     body["fallback"] = True
+    micro = body.get("micro_steps")
+    if micro is not None:  # every member trains what the last answer planned for this step
+        micro["trained"] = micro["next"]
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -193,7 +219,25 @@ def _plan(raw: dict[str, Any], *, replica_id: str, rank: int) -> StepPlan:
         sources=tuple(Source(replica_id=str(r), url=urls[str(r)]) for r in mine),
         serve=bool(raw["serve"]),
         fallback=raw.get("fallback") is True,
+        micro_steps=_micro_steps(raw.get("micro_steps")),
     )
     if plan.max_step < 0 or plan.quorum_id < 0 or replica_id not in ring_replicas:
         raise ValueError("a step plan must include this replica and carry non-negative ids")
     return plan
+
+
+def _micro_steps(raw: Any) -> MicroSteps:
+    if raw is None:
+        return MicroSteps()
+    even = int(raw["even"])
+
+    def shares(name: str) -> MappingProxyType[str, int]:
+        table = raw[name]
+        if not isinstance(table, dict):
+            raise TypeError(f"micro_steps.{name} must be an object")
+        return MappingProxyType({str(r): int(k) for r, k in table.items()})
+
+    trained, upcoming = shares("trained"), shares("next")
+    if even < 1 or any(k < 0 for k in (*trained.values(), *upcoming.values())):
+        raise ValueError("micro-step shares must be non-negative and the even one positive")
+    return MicroSteps(even=even, trained=trained, next=upcoming)

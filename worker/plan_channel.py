@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from fthsdp.services.quorum.client import StepWork
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.plan import StepPlan, decode_plan, fallback_payload, steady_max_step
 from fthsdp.worker.quorum_link import QuorumLink
@@ -44,18 +45,21 @@ class PlanChannel:
         self._sent: bytes | None = None
         """Leader: the last payload broadcast in full."""
 
-    def request(self, step: int, *, commit_failed: bool = False) -> None:
-        """Leader: asks for `step`'s quorum in the background unless a request is out already;
-        other ranks: nothing."""
+    def request(
+        self, step: int, *, commit_failed: bool = False, work: StepWork | None = None
+    ) -> None:
+        """Leader: asks for `step`'s quorum in the background unless a request is out already
+        (`work`: the replica's micro-steps and speed, for the fail-slow planner); other ranks:
+        nothing."""
         if self._executor is not None and self._pending is None:
-            self._pending = self._executor.submit(self._ask, step, commit_failed)
+            self._pending = self._executor.submit(self._ask, step, commit_failed, work)
 
-    def _ask(self, step: int, commit_failed: bool) -> bytes:
+    def _ask(self, step: int, commit_failed: bool, work: StepWork | None) -> bytes:
         assert self._link is not None
         fallback = None
         if not commit_failed and self._config.control_plane_grace is not None:
             fallback = fallback_payload(self.plan, self._sent, step)
-        return self._link.request(step, commit_failed=commit_failed, fallback=fallback)
+        return self._link.request(step, commit_failed=commit_failed, fallback=fallback, work=work)
 
     def receive(self) -> StepPlan:
         """The leader's answer to the last request, on every rank (a collective)."""

@@ -22,6 +22,7 @@ from fthsdp.services.quorum.client import (
     QuorumUnavailableError,
     RankEndpoint,
     StaleIncarnationError,
+    StepWork,
 )
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.plan import encode_failure, encode_steady
@@ -67,7 +68,14 @@ class QuorumLink:
         with self._lock:
             return self._incarnation
 
-    def request(self, step: int, *, commit_failed: bool, fallback: bytes | None) -> bytes:
+    def request(
+        self,
+        step: int,
+        *,
+        commit_failed: bool,
+        fallback: bytes | None,
+        work: StepWork | None = None,
+    ) -> bytes:
         """The quorum for this replica at `step`, as the broadcast payload. With `fallback`,
         an unreachable service is waited for only `control_plane_grace` (not at all again
         while it stays down) before `fallback` is returned instead."""
@@ -86,6 +94,7 @@ class QuorumLink:
                     commit_failed=commit_failed,
                     timeout=timedelta(seconds=remaining),
                     unavailable_budget=None if fallback is None else self._grace(),
+                    work=work,
                 )
                 self._last_contact = time.monotonic()
                 self._down = False

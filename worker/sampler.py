@@ -1,11 +1,14 @@
 """Exactly-once data (I2) for map-style datasets through a normal `torch.utils.data.DataLoader`.
 
 Replica k of R owns the global sample ids k, k+R, k+2R, ...; its rank r takes `batch_size` of
-them per step (`ShardSpec`). Global id g is dataset index `g mod N` of epoch `g // N`, shuffled
-per epoch with a seeded permutation when asked, so across all replicas every index is trained
-once per epoch, whichever replicas were down when. Positions are the replicated table the Manager
-commits with each step (they travel with catch-up and durable checkpoints), so a restarted or
-recovering replica resumes exactly where its last committed contribution ended.
+them per micro-step (`ShardSpec`), and a step trains `Manager.micro_steps` micro-steps (one
+unless configured; the fail-slow planner may move some between replicas). Global id g is dataset
+index `g mod N` of epoch `g // N`, shuffled per epoch with a seeded permutation when asked, so
+across all replicas every index is trained once per epoch, whichever replicas were down when.
+Positions are the replicated table the Manager commits with each step (they travel with catch-up
+and durable checkpoints), so a restarted or recovering replica resumes exactly where its last
+committed contribution ended. With uneven micro-steps a replica's stream runs ahead of or behind
+the others' within an epoch; each stream is still trained once, in order.
 
 A DataLoader with workers draws indices ahead of training (prefetch), before it is known whether
 a step commits with this replica's contribution. `ExactlyOnceDataLoader` therefore checks each
@@ -54,8 +57,8 @@ class ExactlyOnceSampler(Sampler[list[int]]):
         if self.spec.samples_per_step != manager.samples_per_step:
             raise ValueError(
                 f"batch_size {batch_size} x {manager.group.world_size} ranks = "
-                f"{self.spec.samples_per_step} samples per step, but the Manager commits "
-                f"{manager.samples_per_step}"
+                f"{self.spec.samples_per_step} samples per micro-step, but the Manager "
+                f"commits {manager.samples_per_step}"
             )
         self._manager = manager
         self._size = dataset_size
@@ -67,6 +70,10 @@ class ExactlyOnceSampler(Sampler[list[int]]):
     def position(self) -> int:
         """The replica's committed position (samples of its stream trained)."""
         return self._manager.positions.get(self._manager.config.replica_id)
+
+    def manager_step(self) -> int:
+        """The step the replica trains now."""
+        return self._manager.step
 
     def start_at(self, position: int) -> None:
         """The next iteration begins at `position` instead of the position at its first draw."""
@@ -94,6 +101,32 @@ class ExactlyOnceSampler(Sampler[list[int]]):
         while True:
             yield self.indices(position)
             position += self.spec.samples_per_step
+
+
+class HandedOut:
+    """What a loader handed out since the replica's last commit: a step trains
+    `Manager.micro_steps` consecutive micro-batches (any number, 0 included), and the next step
+    must begin right after what the replica's position says it committed."""
+
+    __slots__ = ("pending", "position", "step")
+
+    def __init__(self, step: int, position: int) -> None:
+        self.step = step
+        self.position = position
+        self.pending = 0
+        """Micro-batches handed out in `step`."""
+
+    def still_in_step(self, step: int, position: int, samples_per_batch: int) -> bool:
+        """Whether the next micro-batch continues the stream: the same step, or a new one whose
+        commit advanced the position by exactly the micro-batches handed out. False when a step
+        committed otherwise (a catch-up step trains none of this replica's data, a restore
+        moves the position): the loader reloads at the committed position."""
+        if step == self.step:
+            return position == self.position
+        if position != self.position + self.pending * samples_per_batch:
+            return False
+        self.step, self.position, self.pending = step, position, 0
+        return True
 
 
 class ExactlyOnceDataLoader(DataLoader[Any]):
@@ -148,11 +181,15 @@ class ExactlyOnceDataLoader(DataLoader[Any]):
                     (self._seed * 1_000_003 + start) % 2**63
                 )
             batches = super().__iter__()
+            handed = HandedOut(self.exactly_once.manager_step(), start)
             try:
-                for drawn, batch in enumerate(batches):
-                    if self.exactly_once.position() != start + drawn * step:
-                        break  # a step committed without this replica's batch: reload
+                for batch in batches:
+                    if not handed.still_in_step(
+                        self.exactly_once.manager_step(), self.exactly_once.position(), step
+                    ):
+                        break  # a step committed without this replica's batches: reload
                     yield batch
+                    handed.pending += 1
             finally:
                 shutdown = getattr(batches, "_shutdown_workers", None)
                 if shutdown is not None and not self.persistent_workers:

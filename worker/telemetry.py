@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client import TelemetryClient
+from fthsdp.worker.step_account import StepCost
 
 
 class StepTelemetry:
@@ -53,31 +54,23 @@ class StepTelemetry:
             self._client.leave_collective(ended_at=time.time())
 
     def committed(
-        self,
-        step: int,
-        *,
-        started_at: float,
-        waiting_s: float,
-        tokens: int,
-        sum_seq_len_sq: int,
-        quorum_id: int,
-        digest: Callable[[], str],
+        self, step: int, cost: StepCost, *, quorum_id: int, digest: Callable[[], str]
     ) -> None:
-        """A committed step (wall times from `time.time()`): its timing, with `waiting_s` spent
+        """A committed step (wall times from `time.time()`): its timing, with the time spent
         waiting on others (not this replica's own speed: the fail-slow detector subtracts it),
         its workload, and on a fingerprint step the replica's state digest (`digest()`, called
         only then: it hashes the whole state)."""
         if self._client is None:
             return
-        duration = max(0.0, time.time() - started_at)
+        duration = max(0.0, time.time() - cost.started_at)
         self._client.step(
             step,
-            started_at=started_at,
+            started_at=cost.started_at,
             duration_s=duration,
-            tokens=tokens,
-            sum_seq_len_sq=sum_seq_len_sq,
+            tokens=cost.tokens,
+            sum_seq_len_sq=cost.sum_seq_len_sq,
             committed=True,
-            exchange_wait_s=min(waiting_s, duration),
+            exchange_wait_s=min(cost.waiting_s, duration),
         )
         if self._rank == 0 and self._every > 0 and step % self._every == 0:
             self._client.fingerprint(step, digest(), quorum_id=quorum_id)

@@ -150,8 +150,8 @@ def _exactly_once_violation(
             return f"gap: positions [{expected}, {row['start']}) never trained before {where}"
         if row["start"] < expected:
             return f"overlap: {where} retrains positions before {expected}"
-        if samples_per_step and row["end"] - row["start"] != samples_per_step:
-            return f"size: {where} is not {samples_per_step} positions"
+        if samples_per_step and (row["end"] - row["start"]) % samples_per_step:
+            return f"size: {where} is not a whole number of {samples_per_step}-position micro-steps"
         if row["step"] <= last_step:
             return f"order: {where} comes after step {last_step} in the data stream"
         expected, last_step = row["end"], row["step"]

@@ -29,6 +29,7 @@ from fthsdp.deploy.demo.events import (
     QuorumEvent,
     RunEvent,
 )
+from fthsdp.deploy.demo.mixes import SEQ_LEN_MIXES
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, ReplicaSupervisor
 from fthsdp.deploy.netns_demo import HOSTS, NETNS_KILL_MODES, NetnsHosts
 from fthsdp.deploy.service_commands import log_flags
@@ -37,6 +38,7 @@ from fthsdp.services.common import logs
 from fthsdp.services.health.client_http import HealthClient
 from fthsdp.services.health.config import FAILURE_ACTIONS
 from fthsdp.services.quorum.client import QuorumClient, QuorumUnavailableError
+from fthsdp.services.quorum.domain import FAILSLOW_POLICIES
 from fthsdp.worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,12 @@ class DemoConfig:
     run_dir: Path = Path("runs/demo")
     """Logs, the token file, checkpoints, the report and the plot go here."""
     micro_batch: int = 4
-    """Samples per rank per step."""
+    """Samples per rank per micro-step."""
+    micro_steps: int = 1
+    """Each replica's even share of micro-steps per step (gradient accumulation)."""
+    failslow_policy: str = "off"
+    """The quorum service's fail-slow mitigation: off, rebalance (move micro-steps from a slow
+    replica to the fast ones; needs `micro_steps` > 1), evict or auto."""
     durable_every_steps: int = 25
     """A durable checkpoint every K steps (0 disables)."""
     heartbeat_timeout: timedelta = timedelta(seconds=1)
@@ -82,6 +89,9 @@ class DemoConfig:
     """Exchange gradient buckets across replicas while backward still runs (not with `fsdp`)."""
     loader_workers: int = 0
     """DataLoader worker processes per rank (0: load in the rank itself)."""
+    seq_len_mix: str = "uniform"
+    """Document lengths of the samples (`corpus.SEQ_LEN_MIXES`): uniform (one window each),
+    phases (packed short and long documents, alternating) or random (packed, mixed)."""
     restart_policy: str = "replica"
     """replica: only a failed replica restarts; job: all restart from the last durable
     checkpoint on any failure (the synchronous baseline that `bench.recovery` compares with)."""
@@ -130,8 +140,14 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1:
             raise ValueError("replicas and ranks must be >= 1")
+        if not 1 <= self.micro_steps <= 64:
+            raise ValueError("micro_steps must be in 1..64")
+        if self.failslow_policy not in FAILSLOW_POLICIES:
+            raise ValueError(f"failslow_policy must be one of {FAILSLOW_POLICIES}")
         if not 0 <= self.loader_workers <= 64:
             raise ValueError("loader_workers must be in 0..64")
+        if self.seq_len_mix not in SEQ_LEN_MIXES:
+            raise ValueError(f"seq_len_mix must be one of {SEQ_LEN_MIXES}")
         if self.fsdp and self.overlap_backward:
             raise ValueError("overlap_backward is not supported with fsdp")
         if self.kill_mode not in KILL_MODES:
@@ -287,6 +303,7 @@ def _run(
         heartbeat_timeout=config.heartbeat_timeout,
         join_timeout=config.join_timeout,
         min_replicas=config.quorum_floor,
+        failslow_policy=config.failslow_policy,
         redis=config.redis,
         health=config.health,
         failure_action=config.on_failure,
@@ -314,11 +331,13 @@ def _run(
             env={"FTHSDP_FAULTS": config.faults, "FTHSDP_FAULTS_DIR": str(run_dir / "faults")},
             extra_args=(
                 "--micro-batch", str(config.micro_batch),
+                "--micro-steps", str(config.micro_steps),
                 "--seed", str(config.seed),
                 "--durable-every-steps", str(config.durable_every_steps),
                 *(("--fsdp",) if config.fsdp else ()),
                 *(("--overlap-backward",) if config.overlap_backward else ()),
                 "--loader-workers", str(config.loader_workers),
+                "--seq-len-mix", config.seq_len_mix,
                 *config.log_flags,
             ),
         )  # fmt: skip

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from fthsdp.deploy.demo.corpus import CharDataset, CharWindows
+from fthsdp.deploy.demo.corpus import CharWindows, demo_dataset
 from fthsdp.deploy.demo.events import CommitEvent, EventLog, FinalEvent, StartEvent
+from fthsdp.deploy.demo.mixes import SEQ_LEN_MIXES
 from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.common.private_dir import default_shm_dir
@@ -68,7 +69,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shared-memory dir of the checkpoint sidecar (default /dev/shm/fthsdp-<uid>)",
     )
     p.add_argument("--token-file", help="bearer token file (else FTHSDP_TOKEN/FTHSDP_TOKEN_FILE)")
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per micro-step")
+    p.add_argument(
+        "--micro-steps",
+        type=int,
+        default=1,
+        help="the replica's even share of micro-steps per step (gradient accumulation; the "
+        "quorum service's fail-slow planner may move some between replicas; default 1)",
+    )
+    p.add_argument(
+        "--max-micro-steps",
+        type=int,
+        default=0,
+        help="the most micro-steps the planner may give this replica in a step (0: no limit)",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model init seed (same on every replica)")
     p.add_argument("--durable-every-steps", type=int, default=0, help="durable checkpoint period")
@@ -93,6 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="DataLoader worker processes of this rank (default 0: load in the rank itself)",
+    )
+    p.add_argument(
+        "--seq-len-mix",
+        choices=SEQ_LEN_MIXES,
+        default="uniform",
+        help="document lengths: uniform (one 64-token window per sample, the default), phases "
+        "(512-token samples packed from short, then long documents, alternating every 20 "
+        "micro-batches) or random (packed from 8-512-token documents)",
     )
     p.add_argument(
         "--ftar-host",
@@ -196,8 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     # Before the identity: what a spare does ahead of time (torch is imported already).
-    dataset = CharDataset()
-    model = build_model(TinyGPTConfig(vocab_size=dataset.vocab_size), seed=args.seed)
+    dataset = demo_dataset(
+        args.seq_len_mix, samples_per_round=args.total_replicas * args.world_size * args.micro_batch
+    )
+    model = build_model(
+        TinyGPTConfig(
+            vocab_size=dataset.vocab_size,
+            block_size=dataset.block_size,
+            doc_token=dataset.doc_token,
+        ),
+        seed=args.seed,
+    )
     warm_up_optimizer()
     if args.spare:
         taken = _take_identity(argv)
@@ -234,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                     recovered=outcome.recovered,
                     trained={r: (span[0], span[1]) for r, span in outcome.trained.items()},
                     loss=None if outcome.recovered else last_loss,
-                    tokens=0 if outcome.recovered else samples_per_step * dataset.block_size,
+                    tokens=(
+                        0
+                        if outcome.recovered
+                        else len(batch_ids) * args.world_size * dataset.block_size
+                    ),
                     attempts=outcome.attempts,
                     seconds=dict(outcome.seconds),
                     without_control_plane=outcome.without_control_plane,
@@ -254,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             token=token,
             shm_dir=args.shm_dir,
             durable_every_steps=args.durable_every_steps,
+            micro_steps=args.micro_steps,
+            max_micro_steps=args.max_micro_steps,
             overlap_backward=args.overlap_backward,
             health_address=args.health,
             control_plane_grace=(
@@ -305,17 +342,25 @@ def main(argv: list[str] | None = None) -> int:
         if 0 <= stop_at <= manager.step:
             break
         optimizer.zero_grad()
-        windows, ids = next(batches)
-        batch_ids = [int(i) for i in ids]
-        _, loss = model(windows[:, :-1], windows[:, 1:])
-        assert loss is not None
-        loss.backward()  # ends with the gradient averaged across the healthy replicas
-        last_loss = float(loss.item())
-        # Every sample is one full block: N = samples x block, Σ l² = samples x block².
-        samples = args.micro_batch
-        manager.report_work(
-            tokens=samples * dataset.block_size, sum_seq_len_sq=samples * dataset.block_size**2
-        )
+        batch_ids = []
+        tokens = sum_seq_len_sq = 0
+        micro_steps = manager.micro_steps  # the fail-slow planner may move some
+        for micro in range(micro_steps):
+            windows, ids = next(batches)
+            ids_now = [int(i) for i in ids]
+            batch_ids += ids_now
+            # All but the last backward only accumulate; the last one ends with the sum of
+            # every micro-step's gradient averaged across the healthy replicas' micro-steps.
+            last = micro == micro_steps - 1
+            with contextlib.nullcontext() if last else manager.no_sync():
+                _, loss = model(windows[:, :-1], windows[:, 1:])
+                assert loss is not None
+                loss.backward()
+            last_loss = float(loss.item())
+            # The real work of this micro-batch, a pure function of its sample ids.
+            work = dataset.work(ids_now)
+            tokens, sum_seq_len_sq = tokens + work[0], sum_seq_len_sq + work[1]
+        manager.report_work(tokens=tokens, sum_seq_len_sq=sum_seq_len_sq)
         optimizer.step()
     final_fingerprint = manager.fingerprint()  # a collective over the replica's ranks
     if events is not None:

@@ -104,6 +104,17 @@ class Quorum(_Open):
     formed_at: Number = Field(description="Unix seconds.")
 
 
+class FailSlowDecision(_Open):
+    """A change the quorum service's fail-slow planner made."""
+
+    decided_at: Number = Field(description="Unix seconds.")
+    step: int
+    action: str = Field(description="keep, rebalance or evict.")
+    shares: dict[str, int] = Field(description="Micro-steps per replica, where not the even share.")
+    evicted: list[str]
+    reason: str = Field(description="Why, with each option's predicted micro-steps per second.")
+
+
 class QuorumHistory(_Open):
     """The quorum service's membership and recent quorums (`configured` false: no quorum
     service was given, and the rest is empty)."""
@@ -112,6 +123,9 @@ class QuorumHistory(_Open):
     quorum_id: int
     members: list[QuorumMember]
     quorums: list[Quorum]
+    failslow: list[FailSlowDecision] = Field(
+        default_factory=list, description="The fail-slow planner's recent decisions, oldest first."
+    )
 
 
 class NodeRank(_Open):

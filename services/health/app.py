@@ -269,7 +269,13 @@ def _quorum_routes(app: FastAPI, quorum: QuorumReporter | None) -> None:
     @app.get("/v1/quorum/history", tags=["quorum"], response_model=QuorumHistory)
     async def quorum_history(limit: Annotated[int, Query(ge=1, le=128)] = 32) -> dict[str, Any]:
         if quorum is None:
-            return {"configured": False, "quorum_id": 0, "members": [], "quorums": []}
+            return {
+                "configured": False,
+                "quorum_id": 0,
+                "members": [],
+                "quorums": [],
+                "failslow": [],
+            }
         snapshot = await quorum.status(history_limit=limit)
         return {
             "configured": True,
@@ -295,6 +301,17 @@ def _quorum_routes(app: FastAPI, quorum: QuorumReporter | None) -> None:
                     "formed_at": q.formed_at.timestamp(),
                 }
                 for q in snapshot.quorums
+            ],
+            "failslow": [
+                {
+                    "decided_at": d.decided_at.timestamp(),
+                    "step": d.step,
+                    "action": d.action,
+                    "shares": dict(d.shares),
+                    "evicted": list(d.evicted),
+                    "reason": d.reason,
+                }
+                for d in snapshot.failslow
             ],
         }
 

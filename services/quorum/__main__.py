@@ -43,8 +43,29 @@ _FLAGS: tuple[Flag, ...] = (
     ),
     ("redis-prefix", "redis_prefix", str, "key prefix in Redis (default fthsdp:quorum)"),
     ("lease-ttl-ms", "lease_ttl", int, "leader lease lifetime, ms (default 1000)"),
+    (
+        "failslow-policy",
+        "failslow_policy",
+        str,
+        "fail-slow mitigation: off | rebalance | evict | auto (default off); moves micro-steps "
+        "between replicas or evicts a slow one",
+    ),
+    ("failslow-horizon-ms", "failslow_horizon", int, "planner horizon, ms (default 60000)"),
+    (
+        "failslow-evict-cost-ms",
+        "failslow_evict_cost",
+        int,
+        "what an eviction costs the job, ms (default 10000)",
+    ),
 )
-_MILLISECONDS = {"join_timeout", "heartbeat_timeout", "shutdown_grace", "lease_ttl"}
+_MILLISECONDS = {
+    "join_timeout",
+    "heartbeat_timeout",
+    "shutdown_grace",
+    "lease_ttl",
+    "failslow_horizon",
+    "failslow_evict_cost",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ from fthsdp.services.quorum.domain import (
     MembershipEvent,
     MembershipTooLargeError,
     MemberStatus,
+    MicroSteps,
     Quorum,
     QuorumError,
     QuorumSummary,
@@ -47,6 +48,7 @@ from fthsdp.services.quorum.domain import (
     RankEndpoint,
     StaleIncarnationError,
     StatusSnapshot,
+    StepWork,
     SupersededRequestError,
     UnknownReplicaError,
     WorldSizeMismatchError,
@@ -63,6 +65,7 @@ __all__ = [
     "MemberStatus",
     "MembershipEvent",
     "MembershipTooLargeError",
+    "MicroSteps",
     "Quorum",
     "QuorumClient",
     "QuorumDecodeCache",
@@ -73,6 +76,7 @@ __all__ = [
     "RankEndpoint",
     "StaleIncarnationError",
     "StatusSnapshot",
+    "StepWork",
     "SupersededRequestError",
     "UnknownReplicaError",
     "WatchStream",
@@ -190,9 +194,15 @@ def _join_request(replica_id: str, ranks: Sequence[RankEndpoint]) -> pb.JoinRequ
 
 
 def _quorum_request(
-    replica_id: str, incarnation: int, step: int, commit_failed: bool, known: int, attempt: int
+    replica_id: str,
+    incarnation: int,
+    step: int,
+    commit_failed: bool,
+    known: int,
+    attempt: int,
+    work: StepWork | None,
 ) -> pb.QuorumRequest:
-    return pb.QuorumRequest(
+    request = pb.QuorumRequest(
         replica_id=replica_id,
         incarnation=incarnation,
         step=step,
@@ -200,6 +210,9 @@ def _quorum_request(
         known_quorum_id=known,
         attempt_id=attempt,
     )
+    if work is not None:
+        codec.work_to_pb(request, work)
+    return request
 
 
 def _report_request(
@@ -292,17 +305,21 @@ class QuorumClient(_ClientSettings):
         commit_failed: bool = False,
         timeout: timedelta,
         unavailable_budget: timedelta | None = None,
+        work: StepWork | None = None,
     ) -> Quorum:
         """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
         `timeout`. With `unavailable_budget`, QuorumUnavailableError as soon as every instance
         of the service refused and none has answered for that long (the caller may go on
-        without it; a zero budget tries each instance once)."""
+        without it; a zero budget tries each instance once). `work` tells the fail-slow
+        planner this replica's micro-steps and speed (see `StepWork`)."""
         deadline = time.monotonic() + _seconds(timeout)
         attempt = _new_attempt_id()
         known = self._endpoints.known_quorum_id
         budget = None if unavailable_budget is None else _seconds(unavailable_budget)
         while True:
-            request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
+            request = _quorum_request(
+                replica_id, incarnation, step, commit_failed, known, attempt, work
+            )
             response = self._call("Quorum", request, deadline=deadline, unavailable_budget=budget)
             quorum = self._endpoints.decode(response)
             if quorum is not None:
@@ -451,6 +468,7 @@ class AsyncQuorumClient(_ClientSettings):
         commit_failed: bool = False,
         timeout: timedelta,
         unavailable_budget: timedelta | None = None,
+        work: StepWork | None = None,
     ) -> Quorum:
         """Waits until a quorum that includes this replica forms; QuorumTimeoutError after
         `timeout`. `unavailable_budget` as in `QuorumClient.quorum`."""
@@ -459,7 +477,9 @@ class AsyncQuorumClient(_ClientSettings):
         known = self._endpoints.known_quorum_id
         budget = None if unavailable_budget is None else _seconds(unavailable_budget)
         while True:
-            request = _quorum_request(replica_id, incarnation, step, commit_failed, known, attempt)
+            request = _quorum_request(
+                replica_id, incarnation, step, commit_failed, known, attempt, work
+            )
             response = await self._call(
                 "Quorum", request, deadline=deadline, unavailable_budget=budget
             )

@@ -9,19 +9,23 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 from fthsdp.protos import quorum_pb2 as pb
 from fthsdp.services.quorum.domain import (
+    MAX_MICRO_STEPS,
     EventKind,
+    FailSlowDecision,
     InternalError,
     Member,
     MembershipEvent,
     MemberStatus,
+    MicroSteps,
     Quorum,
     QuorumSummary,
     RankEndpoint,
     StatusSnapshot,
+    StepWork,
 )
 
 _EVENT_KINDS: dict[pb.EventKind.ValueType, EventKind] = {
@@ -77,6 +81,8 @@ def quorum_to_pb(
             for rid in sorted(quorum.sources)
         ],
         reason=quorum.reason,
+        even_micro_steps=quorum.micro_steps.even,
+        uneven=shares_to_pb(quorum.micro_steps),
     )
     if form == SAME:
         message.lagging.extend(
@@ -145,6 +151,61 @@ def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:
         healthy=healthy,
         sources=MappingProxyType(sources),
         reason=msg.reason,
+        micro_steps=shares_from_pb(msg.even_micro_steps, msg.uneven),
+    )
+
+
+def shares_to_pb(micro_steps: MicroSteps) -> list[pb.MicroStepShare]:
+    """The members whose micro-steps differ from the even share, in replica_id order."""
+    uneven = sorted(set(micro_steps.trained) | set(micro_steps.next))
+    return [
+        pb.MicroStepShare(
+            replica_id=rid, trained=micro_steps.trained_by(rid), next=micro_steps.next_for(rid)
+        )
+        for rid in uneven
+    ]
+
+
+def shares_from_pb(even: int, uneven: Sequence[pb.MicroStepShare]) -> MicroSteps:
+    """The inverse of `shares_to_pb` (0 for `even` means 1, as from an older service)."""
+    even = even or 1
+    if even > MAX_MICRO_STEPS or any(max(s.trained, s.next) > MAX_MICRO_STEPS for s in uneven):
+        raise InternalError(f"a micro-step share above {MAX_MICRO_STEPS}")
+    trained = {s.replica_id: s.trained for s in uneven if s.trained != even}
+    upcoming = {s.replica_id: s.next for s in uneven if s.next != even}
+    return MicroSteps(even=even, trained=MappingProxyType(trained), next=MappingProxyType(upcoming))
+
+
+def work_to_pb(request: pb.QuorumRequest, work: StepWork) -> None:
+    """Puts a replica's `StepWork` into its Quorum request."""
+    if work.micro_steps is not None:
+        request.micro_steps = work.micro_steps
+    request.even_micro_steps = work.even
+    request.max_micro_steps = work.max_micro_steps
+    request.busy_seconds = work.busy_seconds
+    request.busy_micro_steps = work.busy_micro_steps
+
+
+def work_from_pb(request: pb.QuorumRequest) -> StepWork:
+    """A Quorum request's `StepWork`; ValueError for values out of range."""
+    declared = request.micro_steps if request.HasField("micro_steps") else None
+    counts = (
+        declared or 0,
+        request.even_micro_steps,
+        request.max_micro_steps,
+        request.busy_micro_steps,
+    )
+    if max(counts) > MAX_MICRO_STEPS:
+        raise ValueError(f"micro-step counts must be at most {MAX_MICRO_STEPS}")
+    busy = request.busy_seconds
+    if not 0.0 <= busy <= 86_400.0:  # also false for NaN
+        raise ValueError("busy_seconds must be in [0, 86400]")
+    return StepWork(
+        micro_steps=declared,
+        even=request.even_micro_steps or 1,
+        max_micro_steps=request.max_micro_steps,
+        busy_seconds=busy,
+        busy_micro_steps=request.busy_micro_steps,
     )
 
 
@@ -192,6 +253,19 @@ def status_to_pb(snapshot: StatusSnapshot) -> pb.StatusResponse:
             )
             for h in snapshot.quorums
         ],
+        failslow=[
+            pb.FailSlowDecision(
+                decided_unix_ms=int(d.decided_at.timestamp() * 1000),
+                step=d.step,
+                action=d.action,
+                uneven=[
+                    pb.MicroStepShare(replica_id=rid, next=k) for rid, k in sorted(d.shares.items())
+                ],
+                evicted=d.evicted,
+                reason=d.reason,
+            )
+            for d in snapshot.failslow
+        ],
     )
 
 
@@ -226,7 +300,25 @@ def status_from_pb(msg: pb.StatusResponse) -> StatusSnapshot:
             )
             for h in msg.history
         ),
+        failslow=tuple(
+            FailSlowDecision(
+                decided_at=datetime.fromtimestamp(d.decided_unix_ms / 1000, tz=UTC),
+                step=d.step,
+                action=_ACTIONS.get(d.action, "keep"),
+                shares=MappingProxyType({s.replica_id: s.next for s in d.uneven}),
+                evicted=tuple(d.evicted),
+                reason=d.reason,
+            )
+            for d in msg.failslow
+        ),
     )
+
+
+_ACTIONS: dict[str, Literal["keep", "rebalance", "evict"]] = {
+    "keep": "keep",
+    "rebalance": "rebalance",
+    "evict": "evict",
+}
 
 
 def event_to_pb(event: MembershipEvent) -> pb.WatchResponse:

@@ -19,18 +19,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from fthsdp.services.quorum import core
+from fthsdp.services.quorum import core, status
 from fthsdp.services.quorum.config import QuorumConfig
-from fthsdp.services.quorum.core import Ask, CoreState, Formation, QuorumRecord, Registration
+from fthsdp.services.quorum.core import Ask, CoreState, Formation, Registration
 from fthsdp.services.quorum.domain import (
     EventKind,
     MembershipEvent,
     MembershipTooLargeError,
-    MemberStatus,
-    QuorumSummary,
     RankEndpoint,
     StaleIncarnationError,
     StatusSnapshot,
@@ -44,6 +41,7 @@ from fthsdp.services.quorum.errors import (
     StoreUnavailableError,
 )
 from fthsdp.services.quorum.events import EventHub, Subscription
+from fthsdp.services.quorum.failslow import FailSlowPlanner, Policy
 from fthsdp.services.quorum.metrics import QuorumMetrics
 from fthsdp.services.quorum.rounds import QuorumAsk, RoundTiming, Tally, Waiter
 from fthsdp.services.quorum.store import QuorumStore
@@ -71,6 +69,12 @@ class Coordinator:
         self._clock = clock
         self._wall = wall
         self._state = CoreState()
+        self._failslow = FailSlowPlanner(
+            cast(Policy, config.failslow_policy),
+            horizon_s=config.failslow_horizon.total_seconds(),
+            evict_cost_s=config.failslow_evict_cost.total_seconds(),
+            min_replicas=config.min_replicas,
+        )
         self._waiters: dict[str, Waiter] = {}
         self._answered: dict[str, tuple[int, int, Formation]] = {}
         self._events = EventHub(config.watch_queue_size)
@@ -187,8 +191,10 @@ class Coordinator:
                 step=ask.step,
                 commit_failed=ask.commit_failed,
                 arrived=now,
+                work=ask.work,
             )
         )
+        self._failslow.observe(rid, ask.incarnation, ask.work)
         self._evaluate(now)
         try:
             return await waiter.future
@@ -237,34 +243,15 @@ class Coordinator:
 
     async def status(self, history_limit: int = 0) -> StatusSnapshot:
         """Membership with liveness, and recent quorums."""
-        now = self._clock()
         hb = self._config.heartbeat_timeout.total_seconds()
-        state = self._state
-        members = tuple(
-            MemberStatus(
-                replica_id=reg.replica_id,
-                incarnation=reg.incarnation,
-                world_size=reg.world_size,
-                step=state.last_step.get(reg.replica_id),
-                live=state.is_live(reg.replica_id, now, hb),
-                waiting=reg.replica_id in state.waiting,
-                last_seen_ago=timedelta(seconds=max(0.0, now - state.seen(reg.replica_id, now))),
-                ranks=reg.ranks,
-            )
-            for reg in sorted(state.registered.values(), key=lambda r: r.replica_id)
-        )
+        members = status.members_status(self._state, self._clock(), hb)
         try:
             records = await self._store.history(history_limit)
         except NotLeaderError:
             raise
         except Exception as exc:  # the history lives in the store: a client may ask another
             raise StoreUnavailableError(f"cannot read the quorum history: {exc}") from exc
-        return StatusSnapshot(
-            quorum_id=state.last_quorum_id,
-            round=state.rounds,
-            members=members,
-            quorums=tuple(_summary(r) for r in records),
-        )
+        return status.snapshot(self._state, members, records, self._failslow.decisions)
 
     def subscribe(self, holder: tuple[str, int] | None = None) -> Subscription:
         """A new event stream; its first event is a `snapshot` of the current membership. With
@@ -318,7 +305,25 @@ class Coordinator:
             self._arm_timer(decision.wake_at)
 
     def _form(self, now: float, path: str, reason: str) -> None:
-        formation = core.form(now, self._state, reason=reason, formed_unix=self._wall())
+        shares = None
+        if self._failslow.policy != "off":
+            work = core.round_work(self._state)
+            shares, evict = self._failslow.plan(
+                work.healthy, work.even, work.max_micro_steps, work.step, now
+            )
+            if evict:  # each eviction re-evaluates the round without the evicted replica
+                for rid in evict:
+                    self._evict(
+                        self._state.registered[rid],
+                        kind="evicted",
+                        cause="failslow",
+                        reason="fail-slow: " + self._failslow.decisions[-1].reason,
+                        teardown=True,
+                    )
+                return
+        formation = core.form(
+            now, self._state, reason=reason, formed_unix=self._wall(), next_shares=shares
+        )
         waiters = [self._waiters.pop(a.replica_id) for a in formation.participants]
         new_epoch = formation.record.quorum_id != self._state.last_quorum_id
         self._state.apply(formation, now)
@@ -587,15 +592,3 @@ class Coordinator:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _summary(record: QuorumRecord) -> QuorumSummary:
-    return QuorumSummary(
-        quorum_id=record.quorum_id,
-        round=record.round,
-        members=tuple(rid for rid, _ in record.members),
-        max_step=record.max_step,
-        healthy=record.healthy,
-        reason=record.reason,
-        formed_at=datetime.fromtimestamp(record.formed_unix, tz=UTC),
-    )

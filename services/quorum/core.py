@@ -16,8 +16,9 @@ N arrivals is O(N), not O(N^2)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from fthsdp.services.common.parse import MAX_STEP, host_port
@@ -25,9 +26,11 @@ from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.domain import (
     InvalidRequestError,
     Member,
+    MicroSteps,
     Quorum,
     RankEndpoint,
     StaleIncarnationError,
+    StepWork,
     UnknownReplicaError,
 )
 
@@ -73,6 +76,8 @@ class Ask:
     """Its previous attempt failed to commit (forces a new quorum id)."""
     arrived: float
     """When it asked (monotonic seconds)."""
+    work: StepWork = field(default_factory=StepWork)
+    """Its micro-steps and speed (fail-slow mitigation)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -461,11 +466,52 @@ def expired(now: float, state: CoreState, config: QuorumConfig) -> tuple[list[st
     return sorted(gone), next_expiry
 
 
-def form(now: float, state: CoreState, *, reason: str, formed_unix: float) -> Formation:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundWork:
+    """The work of the replicas that would form a quorum now (the fail-slow planner's input)."""
+
+    healthy: tuple[str, ...]
+    """The waiting replicas at the largest step, sorted."""
+    step: int
+    """That step."""
+    even: int
+    """The even share of micro-steps the most of them declare."""
+    max_micro_steps: int
+    """The smallest limit any of them declares (0: none)."""
+
+
+def round_work(state: CoreState) -> RoundWork:
+    """What the fail-slow planner needs about the round that would form now."""
+    asks = state.waiting.values()
+    step = max(a.step for a in asks)
+    healthy = tuple(sorted(a.replica_id for a in asks if a.step == step))
+    limits = [a.work.max_micro_steps for a in asks if a.work.max_micro_steps]
+    return RoundWork(
+        healthy=healthy, step=step, even=_even(asks), max_micro_steps=min(limits, default=0)
+    )
+
+
+def _even(asks: Iterable[Ask]) -> int:
+    """The even share most asks declare (the larger on a tie): one job has one, but a replica
+    started with another value must not make the round's answer depend on arrival order."""
+    evens = collections.Counter(a.work.even for a in asks)
+    return max(evens, key=lambda e: (evens[e], e))
+
+
+def form(
+    now: float,
+    state: CoreState,
+    *,
+    reason: str,
+    formed_unix: float,
+    next_shares: Mapping[str, int] | None = None,
+) -> Formation:
     """The quorum of every replica waiting now. Pure: `state.apply` records it afterwards.
 
     The quorum id grows when the membership (replica ids and incarnations) differs from the
-    previous quorum's or any participant reports a failed commit (I3); otherwise it stays."""
+    previous quorum's or any participant reports a failed commit (I3); otherwise it stays.
+    `next_shares`: the fail-slow planner's micro-steps for the members' next step (absent: each
+    its even share)."""
     del now  # the formation itself is timeless; kept for the (now, state, ...) shape
     asks = tuple(sorted(state.waiting.values(), key=lambda a: a.replica_id))
     members = tuple(
@@ -493,6 +539,7 @@ def form(now: float, state: CoreState, *, reason: str, formed_unix: float) -> Fo
         healthy=healthy,
         sources=MappingProxyType(assign_sources(healthy, recovering)),
         reason=reason,
+        micro_steps=_micro_steps(asks, max_step, next_shares or {}),
     )
     record = QuorumRecord(
         quorum_id=quorum_id,
@@ -504,6 +551,19 @@ def form(now: float, state: CoreState, *, reason: str, formed_unix: float) -> Fo
         formed_unix=formed_unix,
     )
     return Formation(quorum=quorum, record=record, participants=asks)
+
+
+def _micro_steps(asks: Sequence[Ask], max_step: int, next_shares: Mapping[str, int]) -> MicroSteps:
+    even = _even(asks)
+    trained = {
+        a.replica_id: a.work.declared
+        for a in asks
+        if a.step == max_step and a.work.declared != even
+    }
+    upcoming = {rid: k for rid, k in next_shares.items() if k != even}
+    if not trained and not upcoming:
+        return MicroSteps(even=even)
+    return MicroSteps(even=even, trained=MappingProxyType(trained), next=MappingProxyType(upcoming))
 
 
 def assign_sources(

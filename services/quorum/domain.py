@@ -49,6 +49,70 @@ class Member:
     """Per-rank endpoints, in rank order."""
 
 
+FAILSLOW_POLICIES = ("off", "rebalance", "evict", "auto")
+"""The quorum service's fail-slow mitigation policies (`QuorumConfig.failslow_policy`)."""
+
+MAX_MICRO_STEPS = 4096
+"""The most micro-steps a replica may train in one step, and the largest even share."""
+
+_NO_SHARES: Mapping[str, int] = MappingProxyType({})
+
+
+def _no_shares() -> Mapping[str, int]:
+    return _NO_SHARES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepWork:
+    """What a replica leader tells the service about its work with each Quorum call, for the
+    fail-slow planner (`MicroSteps`)."""
+
+    micro_steps: int | None = None
+    """Micro-steps it trains in the step it asks for; None: its even share."""
+    even: int = 1
+    """The job's even share of micro-steps per replica and step."""
+    max_micro_steps: int = 0
+    """The most micro-steps it may train in one step (0: no limit)."""
+    busy_seconds: float = 0.0
+    """Compute time of its last committed step, waiting on others excluded (0: unknown)."""
+    busy_micro_steps: int = 0
+    """Micro-steps that step trained."""
+
+    @property
+    def declared(self) -> int:
+        """Micro-steps it trains in the step it asks for."""
+        return self.even if self.micro_steps is None else self.micro_steps
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroSteps:
+    """Each member's share of a step's global batch, in micro-steps (forward and backward passes
+    of the whole replica, accumulated into one gradient). A member not named trains `even`.
+
+    The step's gradient is the sum of the healthy members' micro-step gradients divided by
+    `total(healthy)`, so every micro-step weighs the same whichever replica trained it, and each
+    healthy member's data position advances by what it trained (`trained_by`)."""
+
+    even: int = 1
+    """The even share."""
+    trained: Mapping[str, int] = field(default_factory=_no_shares)
+    """Members whose micro-steps in this step differ from `even`."""
+    next: Mapping[str, int] = field(default_factory=_no_shares)
+    """Members whose micro-steps in their next step differ from `even` (the planner's choice)."""
+
+    def trained_by(self, replica_id: str) -> int:
+        """Micro-steps `replica_id` trains in this step."""
+        return self.trained.get(replica_id, self.even)
+
+    def next_for(self, replica_id: str) -> int:
+        """Micro-steps `replica_id` trains in its next step."""
+        return self.next.get(replica_id, self.even)
+
+    def total(self, healthy: tuple[str, ...]) -> int:
+        """Micro-steps the healthy members train together in this step."""
+        return sum(self.trained_by(r) for r in healthy)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Quorum:
     """A formed quorum, identical for every member of its round."""
@@ -65,6 +129,8 @@ class Quorum:
     """Recovering replica id -> per rank -> healthy source replica ids in preference order."""
     reason: str = ""
     """Why the quorum formed (for logs)."""
+    micro_steps: MicroSteps = field(default_factory=MicroSteps)
+    """Each member's share of the step's batch (fail-slow mitigation)."""
 
     def member(self, replica_id: str) -> Member:
         """The member named `replica_id`; KeyError if it is not in the quorum."""
@@ -175,6 +241,26 @@ class StatusSnapshot:
     """Recent quorums, oldest first."""
     leader_epoch: int = 0
     """Lease epoch of the answering leader (0 without a standby setup)."""
+    failslow: tuple[FailSlowDecision, ...] = ()
+    """The fail-slow planner's recent decisions, oldest first."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailSlowDecision:
+    """A change the fail-slow planner made."""
+
+    decided_at: datetime
+    """When (UTC)."""
+    step: int
+    """The step of the round it decided in."""
+    action: Literal["keep", "rebalance", "evict"]
+    """keep: every replica its even share; rebalance: uneven shares; evict: slow replicas out."""
+    shares: Mapping[str, int]
+    """The shares it chose that differ from the even one."""
+    evicted: tuple[str, ...]
+    """The replicas it evicted."""
+    reason: str
+    """Why, with the predicted rate of each option."""
 
 
 # ---- errors: one root, so callers can catch everything the quorum service raises ------------

@@ -4,9 +4,10 @@ tally of a formed round still being answered, and the round's server-side latenc
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fthsdp.services.quorum.core import Formation
+from fthsdp.services.quorum.domain import StepWork
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,6 +24,8 @@ class QuorumAsk:
     """Its previous attempt failed to commit."""
     attempt_id: int = 0
     """Client id of the logical call (0 = none); a retry with it gets the same answer."""
+    work: StepWork = field(default_factory=StepWork)
+    """Its micro-steps and speed (fail-slow mitigation)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,8 +33,10 @@ from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator
 from fthsdp.services.quorum.core import Formation
 from fthsdp.services.quorum.domain import (
+    InvalidRequestError,
     MembershipEvent,
     QuorumError,
+    StepWork,
 )
 from fthsdp.services.quorum.election import CoordinatorSlot
 from fthsdp.services.quorum.metrics import QuorumMetrics
@@ -60,6 +62,13 @@ quorums behind gets every member's endpoints again."""
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status, code, message) answered for an exception raised by a handler."""
     return grpc_failure(exc, "quorum service")
+
+
+def _work(request: pb.QuorumRequest) -> StepWork:
+    try:
+        return codec.work_from_pb(request)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
 
 
 def _encode(message: Message | bytes) -> bytes:
@@ -148,6 +157,7 @@ class _Servicer:
                 step=request.step,
                 commit_failed=request.commit_failed,
                 attempt_id=request.attempt_id,
+                work=_work(request),
             )
         )
         return self._encoded_answer(formation, request.known_quorum_id, epoch)

@@ -142,7 +142,13 @@ async def test_health_responses_keep_their_bytes(token: str) -> None:
             got = await http.get("/v1/detectors")
             assert got.content == json.dumps(detectors.to_dict(), separators=(",", ":")).encode()
             history = (await http.get("/v1/quorum/history")).json()
-            assert history == {"configured": False, "quorum_id": 0, "members": [], "quorums": []}
+            assert history == {
+                "configured": False,
+                "quorum_id": 0,
+                "members": [],
+                "quorums": [],
+                "failslow": [],
+            }
             changed = await http.put("/v1/detectors", json={"fail_slow_policy": "evict"})
             assert changed.status_code == 200
             assert changed.json() == detectors.to_dict() | {"fail_slow_policy": "evict"}

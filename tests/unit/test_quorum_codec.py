@@ -22,11 +22,13 @@ from fthsdp.services.quorum.domain import (
     AuthError,
     InternalError,
     Member,
+    MicroSteps,
     Quorum,
     QuorumTimeoutError,
     QuorumUnavailableError,
     RankEndpoint,
     StaleIncarnationError,
+    StepWork,
     UnknownReplicaError,
 )
 from fthsdp.services.quorum.errors import NotLeaderError
@@ -203,3 +205,36 @@ def test_flags_beat_env_beat_defaults() -> None:
 def test_config_rejects_nonsense(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="must"):
         QuorumConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_micro_step_shares_travel_in_every_form_and_stay_small() -> None:
+    micro = MicroSteps(
+        even=4, trained=MappingProxyType({"b": 2}), next=MappingProxyType({"a": 6, "b": 2})
+    )
+    quorum = replace(_quorum(), micro_steps=micro)
+    for form in (codec.FULL, codec.SAME):
+        decoded = codec.quorum_from_pb(_wire(quorum, form), quorum)
+        assert decoded.micro_steps == micro
+        assert decoded.micro_steps.total(decoded.healthy) == 4 + 2 + 4
+    # An even split is one small number, whatever the share and the number of members.
+    even = replace(_quorum(), micro_steps=MicroSteps(even=4))
+    plain = len(codec.quorum_to_pb(_quorum(), form=codec.SAME).SerializeToString())
+    assert len(codec.quorum_to_pb(even, form=codec.SAME).SerializeToString()) == plain
+    # An older service sends no shares at all: one micro-step each.
+    assert codec.quorum_from_pb(_wire(_quorum()), None).micro_steps == MicroSteps()
+
+
+def test_step_work_round_trips_and_out_of_range_values_are_refused() -> None:
+    work = StepWork(micro_steps=0, even=4, max_micro_steps=8, busy_seconds=0.5, busy_micro_steps=3)
+    request = pb.QuorumRequest(replica_id="a", incarnation=1, step=3)
+    codec.work_to_pb(request, work)
+    assert codec.work_from_pb(pb.QuorumRequest.FromString(request.SerializeToString())) == work
+    assert codec.work_from_pb(pb.QuorumRequest()) == StepWork()  # an older client: the defaults
+    for bad in (
+        {"micro_steps": 5000},
+        {"even_micro_steps": 4097},
+        {"busy_seconds": float("nan")},
+        {"busy_seconds": -1.0},
+    ):
+        with pytest.raises(ValueError):
+            codec.work_from_pb(pb.QuorumRequest(**bad))  # type: ignore[arg-type]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 
-from fthsdp.services.quorum.client import Member, Quorum, RankEndpoint
+from fthsdp.services.quorum.client import Member, MicroSteps, Quorum, RankEndpoint
 from fthsdp.worker.plan import (
     NoQuorumError,
     decode_plan,
@@ -144,3 +146,58 @@ def test_no_fallback_outside_the_steady_state() -> None:
     for replica in ("r0", "r1"):
         mixed = decode_plan(recovering, replica_id=replica, rank=0)
         assert fallback_payload(mixed, recovering, 6) is None
+
+
+UNEVEN = MicroSteps(
+    even=4,
+    trained=MappingProxyType({"r1": 2}),
+    next=MappingProxyType({"r0": 5, "r1": 3}),
+)
+
+
+def test_every_rank_learns_each_members_micro_steps_and_the_gradient_scale() -> None:
+    from dataclasses import replace
+
+    quorum = replace(STEADY, micro_steps=UNEVEN)
+    plan = decode_plan(encode_quorum(quorum, "r1"), replica_id="r1", rank=1)
+    assert plan.micro_steps == UNEVEN
+    assert (plan.micro_steps.trained_by("r0"), plan.micro_steps.trained_by("r1")) == (4, 2)
+    assert plan.micro_steps.next_for("r1") == 3
+    assert plan.total_micro_steps == 6
+    # The ring sums and divides by 2 healthy replicas: 2/6 makes it the sum over 6 micro-steps.
+    assert plan.gradient_scale() == pytest.approx(2 / 6)
+    # One micro-step each (the default) leaves the average alone.
+    assert decode_plan(encode_quorum(STEADY, "r1"), replica_id="r1", rank=0).gradient_scale() == 1
+    # A new plan is a change the steady path must not hide.
+    assert encode_steady((STEADY, encode_quorum(STEADY, "r0")), quorum, "r0") == encode_quorum(
+        quorum, "r0"
+    )
+
+
+def test_without_the_service_every_member_trains_what_the_last_answer_planned() -> None:
+    from dataclasses import replace
+
+    sent = encode_quorum(replace(STEADY, micro_steps=UNEVEN), "r0")
+    plan = decode_plan(sent, replica_id="r0", rank=0)
+    payload = fallback_payload(plan, sent, 6)
+    assert payload is not None
+    fallback = decode_plan(payload, replica_id="r0", rank=0)
+    assert dict(fallback.micro_steps.trained) == {"r0": 5, "r1": 3}
+    assert fallback.total_micro_steps == 8
+
+
+@pytest.mark.parametrize(
+    "micro",
+    [
+        {"even": 0, "trained": {}, "next": {}},
+        {"even": 2, "trained": {"r0": -1}, "next": {}},
+        {"even": 2, "trained": [], "next": {}},
+    ],
+)
+def test_malformed_micro_steps_are_value_errors(micro: object) -> None:
+    import json
+
+    body = json.loads(encode_quorum(STEADY, "r0"))
+    body["micro_steps"] = micro
+    with pytest.raises(ValueError):
+        decode_plan(json.dumps(body).encode(), replica_id="r0", rank=0)

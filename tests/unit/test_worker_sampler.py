@@ -33,6 +33,7 @@ def _manager(index: int, total: int, rank: int = 0, world: int = 1, batch: int =
         group=SimpleNamespace(rank=rank, world_size=world),
         samples_per_step=batch * world,
         positions=DataPositions(),
+        step=0,
     )
 
 
@@ -66,10 +67,12 @@ def test_the_loader_follows_the_committed_position(workers: int) -> None:
 
     def commit(position: int) -> None:
         manager.positions = DataPositions({"r0": position})
+        manager.step += 1
 
     assert take() == [0, 2]
     commit(2)
     assert take() == [4, 6]
+    commit(2)
     # That step was a catch-up: it trained none of r0's samples, so r0 still stands at 2
     # and the same samples come again, although later ones were prefetched.
     assert take() == [4, 6]
@@ -81,13 +84,38 @@ def test_the_loader_follows_the_committed_position(workers: int) -> None:
     assert take() == [44, 46]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_step_of_several_micro_steps_takes_consecutive_batches(workers: int) -> None:
+    """Uneven micro-steps (fail-slow rebalancing): a step trains any number of micro-batches,
+    none included, and the next step continues after what the commit recorded."""
+    manager = _manager(0, 2)
+    loader = ExactlyOnceDataLoader(Indexed(100), manager, batch_size=2, num_workers=workers)
+    batches = iter(loader)
+
+    def take(count: int) -> list[list[int]]:
+        return [[int(i) for i in next(batches)] for _ in range(count)]
+
+    def commit(position: int) -> None:
+        manager.positions = DataPositions({"r0": position})
+        manager.step += 1
+
+    assert take(3) == [[0, 2], [4, 6], [8, 10]]
+    commit(6)  # three micro-steps of 2 samples
+    assert take(1) == [[12, 14]]
+    commit(8)
+    commit(8)  # a step with no micro-step of r0's
+    assert take(2) == [[16, 18], [20, 22]]
+    commit(10)  # it trained only the first: the second comes again
+    assert take(1) == [[20, 22]]
+
+
 def test_bad_loader_options_are_refused() -> None:
     manager = _manager(0, 2)
     with pytest.raises(ValueError, match="sampler"):
         ExactlyOnceDataLoader(Indexed(10), manager, batch_size=2, sampler=range(10))
     with pytest.raises(ValueError, match="in_order"):
         ExactlyOnceDataLoader(Indexed(10), manager, batch_size=2, in_order=False)
-    with pytest.raises(ValueError, match="samples per step"):
+    with pytest.raises(ValueError, match="samples per micro-step"):
         ExactlyOnceDataLoader(Indexed(10), manager, batch_size=3)
     with pytest.raises(ValueError, match="empty"):
         ExactlyOnceSampler(manager, 0, batch_size=2)
