@@ -514,6 +514,7 @@ class ReportFailureRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     REPORTER_FIELD_NUMBER: _builtins.int
     TEARDOWN_FIELD_NUMBER: _builtins.int
+    UNLESS_HEARD_WITHIN_MS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The failed replica."""
     incarnation: _builtins.int
@@ -526,6 +527,13 @@ class ReportFailureRequest(_message.Message):
     """The replica must be torn down, not merely left out: one of its ranks is dead or hung, so its
     ranks exit and the node agents kill its processes (the eviction event carries this).
     """
+    unless_heard_within_ms: _builtins.int
+    """When set: evict only if the replica has not called the service (a Quorum call or a
+    Heartbeat) within this many milliseconds, nor within three of its usual intervals between
+    Quorum calls; its leader's Watch stream does not count. For a reporter that cannot tell a
+    dead host from its own link to that host cut (the health service's central process behind
+    a silent node agent): a replica that still trains keeps asking, and stays.
+    """
     def __init__(
         self,
         *,
@@ -534,10 +542,11 @@ class ReportFailureRequest(_message.Message):
         reason: _builtins.str = ...,
         reporter: _builtins.str = ...,
         teardown: _builtins.bool = ...,
+        unless_heard_within_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation", "incarnation", b"incarnation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation", "incarnation", b"incarnation", "reason", b"reason", "replica_id", b"replica_id", "reporter", b"reporter", "teardown", b"teardown"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation", "incarnation", b"incarnation", "reason", b"reason", "replica_id", b"replica_id", "reporter", b"reporter", "teardown", b"teardown", "unless_heard_within_ms", b"unless_heard_within_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__incarnation: _TypeAlias = _typing.Literal["incarnation"]  # noqa: Y015
     _WhichOneofArgType__incarnation: _TypeAlias = _typing.Literal["_incarnation", b"_incarnation"]  # noqa: Y015

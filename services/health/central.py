@@ -17,13 +17,15 @@ shows "down").
 
 A node agent this service no longer hears (its node states stopped) is either gone with its
 host or cut from this service alone, and from here the two look the same: every rank behind it
-falls silent. Its ranks' fail-stops are neither stored nor reported (counted in
-`fthsdp_health_failstops_unreachable_total`, logged once per lost agent): behind a cut link the
-replica still trains and beats the quorum service, and evicting it would be a fault of this
-service's own making. Their liveness is the quorum service's business: its heartbeat timeout
-evicts a replica whose host died, and an agent cut from here still reports its own ranks'
-deaths to the quorum service (its incidents reach this service once the link is back). A held
-verdict whose agent falls silent within the grace is dropped the same way.
+falls silent. Its ranks' fail-stops are not stored (counted in
+`fthsdp_health_failstops_unreachable_total`, logged once per lost agent), and the quorum service
+decides: this service reports the replica on the condition that the quorum service has not
+heard from it either (`UNHEARD_QUIET_S`), again every `UNHEARD_REPORT_EVERY_S` while the agent
+stays silent. A dead or blackholed host stops asking for quorums and is evicted within about a
+second; behind a link cut from here alone the replica keeps asking every step and stays (its
+agent still reports its own ranks' deaths to the quorum service; its incidents reach this
+service once the link is back). A held verdict whose agent falls silent within the grace goes
+the same way.
 
 An agent's fail-stop whose quorum report failed is evicted from here (the central service may
 reach a quorum service the agent could not), for the incarnation the agent named: a replica
@@ -35,8 +37,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter
 
@@ -64,6 +67,15 @@ _NODE_CADENCES = 3.0
 """A node agent is alive while its last node state is at most this many of its forward
 intervals old (and at least `_NODE_LIVE_MIN_S`)."""
 _NODE_LIVE_MIN_S = 0.3
+UNHEARD_QUIET_S = 0.5
+"""A replica behind a node agent no longer heard is evicted only once the quorum service has not
+heard from it for this long either (or three of its step intervals): a blackholed host is gone
+within about a second, and a replica whose link to this service alone is cut keeps asking the
+quorum service every step and stays."""
+UNHEARD_REPORT_EVERY_S = 0.25
+"""How often that conditional report is repeated while the agent stays silent."""
+UNHEARD_REPORT_FOR_S = 60.0
+"""How long it is repeated at most (after that, the quorum service's own timeouts decide)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,6 +125,9 @@ class CentralEngine:
         """Fail-stops found here on a live agent's node -> (when they are acted on, incident)."""
         self._lost_agents: set[str] = set()
         """Nodes whose agent fell silent with ranks behind it (logged once until heard again)."""
+        self._unheard: dict[str, _Unheard] = {}
+        """Replicas with silent ranks behind a lost agent, reported conditionally until the
+        agent is heard again, the quorum service no longer knows them, or for a while."""
         self._agent_teardowns: dict[tuple[str, str], float] = {}
         """(replica, node) pairs an agent tore down after a fail-stop it found, and when: the
         silence of that replica's other ranks on that node is explained, and reported by the
@@ -266,6 +281,7 @@ class CentralEngine:
         found = self.core.evaluate(now)
         self._metrics.evaluate_seconds.observe(time.perf_counter() - started)
         self._observe(self.core.stats())
+        self._report_unheard(now)
         fresh = self._release_held(now) + [
             i for i in found if not self._already_reported(i) and not self._hold(i, now)
         ]
@@ -360,9 +376,18 @@ class CentralEngine:
         return released
 
     def _unreachable(self, incident: Incident) -> None:
-        """A fail-stop behind a node agent no longer heard: counted, not acted on."""
+        """A fail-stop behind a node agent no longer heard: counted, not stored, and reported
+        to the quorum service only on the condition that it does not hear the replica either
+        (`_report_unheard`)."""
         self._metrics.failstops_unreachable.inc()
         node = incident.host or ""
+        if self._quorum is not None and incident.replica_id not in self._unheard:
+            self._unheard[incident.replica_id] = _Unheard(
+                node=node,
+                reason=f"{incident.kind.value}: {incident.summary} (its node agent is not heard)",
+                teardown=self._tears_down(incident),
+                until=self._clock() + UNHEARD_REPORT_FOR_S,
+            )
         if node in self._lost_agents:
             return
         self._lost_agents.add(node)
@@ -373,6 +398,38 @@ class CentralEngine:
             incident.replica_id,
             extra={"node": node, "replica_id": incident.replica_id, "rank": incident.rank},
         )
+
+    def _report_unheard(self, now: float) -> None:
+        """Repeats each conditional report that is due (see `UNHEARD_QUIET_S`)."""
+        quorum = self._quorum
+        for replica_id, entry in list(self._unheard.items()):
+            if now >= entry.until or self._agent_alive(entry.node, now):
+                del self._unheard[replica_id]
+            elif now >= entry.next_at and not entry.reporting and quorum is not None:
+                entry.next_at = now + UNHEARD_REPORT_EVERY_S
+                entry.reporting = True
+                self._spawn(self._report_conditionally(quorum, replica_id, entry))
+
+    async def _report_conditionally(
+        self, quorum: QuorumReporter, replica_id: str, entry: _Unheard
+    ) -> None:
+        try:
+            outcome = await quorum.report_failure(
+                replica_id,
+                entry.reason,
+                reporter=f"fthsdp-health:{self._config.node}",
+                teardown=entry.teardown,
+                unless_heard_within=UNHEARD_QUIET_S,
+            )
+        finally:
+            entry.reporting = False
+        if outcome in ("evicted", "unknown_replica") and self._unheard.get(replica_id) is entry:
+            del self._unheard[replica_id]
+
+    def _spawn(self, action: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(action)
+        self._actions.add(task)
+        task.add_done_callback(self._actions.discard)
 
     def _agent_alive(self, node: str | None, now: float) -> bool:
         view = self._nodes.get(node) if node is not None else None
@@ -398,9 +455,7 @@ class CentralEngine:
                 incarnation=incarnation,
             )
 
-        task = asyncio.create_task(act())
-        self._actions.add(task)
-        task.add_done_callback(self._actions.discard)
+        self._spawn(act())
 
     # ---- views ------------------------------------------------------------------------------
 
@@ -415,6 +470,21 @@ class CentralEngine:
     def nodes(self) -> list[NodeView]:
         """Every node agent heard from, sorted by name."""
         return [self._nodes[name] for name in sorted(self._nodes)]
+
+
+@dataclass(kw_only=True, slots=True)
+class _Unheard:
+    """A replica reported conditionally while its node agent is not heard."""
+
+    node: str
+    reason: str
+    teardown: bool
+    until: float
+    """When the reports stop (the engine's clock)."""
+    next_at: float = 0.0
+    """When the next one is due."""
+    reporting: bool = False
+    """One is in flight (the next waits for its answer)."""
 
 
 def _incarnation(incident: Incident) -> int | None:

@@ -64,17 +64,24 @@ class QuorumReporter:
         reporter: str,
         teardown: bool = False,
         incarnation: int | None = None,
+        unless_heard_within: float | None = None,
     ) -> Outcome:
         """Evicts `replica_id` (asking for its teardown: `teardown`); never raises (the outcome
         says what happened). With `incarnation`, only that incarnation: a report about a dead
-        process whose replica is back as a newer one already is stale ("already_gone")."""
+        process whose replica is back as a newer one already is stale ("already_gone"). With
+        `unless_heard_within` (seconds), only if the quorum service has not heard from the
+        replica for that long either ("already_gone" otherwise); such a conditional report is
+        meant to be repeated, so it is never deduplicated."""
         now = time.monotonic()
         self._recent = {r: t for r, t in self._recent.items() if now - t < self._dedupe}
         key = (replica_id, incarnation)
-        if key in self._recent:
-            return "deduplicated"
-        self._recent[key] = now
-        outcome = await self._report(replica_id, reason[:1024], reporter, teardown, incarnation)
+        if unless_heard_within is None:
+            if key in self._recent:
+                return "deduplicated"
+            self._recent[key] = now
+        outcome = await self._report(
+            replica_id, reason[:1024], reporter, teardown, incarnation, unless_heard_within
+        )
         if outcome == "failed":
             self._recent.pop(key, None)  # a later detection may try again
         if self._metrics is not None:
@@ -88,8 +95,15 @@ class QuorumReporter:
         return outcome
 
     async def _report(
-        self, replica_id: str, reason: str, reporter: str, teardown: bool, incarnation: int | None
+        self,
+        replica_id: str,
+        reason: str,
+        reporter: str,
+        teardown: bool,
+        incarnation: int | None,
+        unless_heard_within: float | None,
     ) -> Outcome:
+        quiet = None if unless_heard_within is None else timedelta(seconds=unless_heard_within)
         for address, client in zip(self._addresses, self._clients, strict=True):
             try:
                 evicted = await client.report_failure(
@@ -98,6 +112,7 @@ class QuorumReporter:
                     reporter=reporter,
                     teardown=teardown,
                     incarnation=incarnation,
+                    unless_heard_within=quiet,
                 )
             except UnknownReplicaError:
                 return "unknown_replica"

@@ -216,11 +216,18 @@ def _quorum_request(
 
 
 def _report_request(
-    replica_id: str, reason: str, reporter: str, incarnation: int | None, teardown: bool
+    replica_id: str,
+    reason: str,
+    reporter: str,
+    incarnation: int | None,
+    teardown: bool,
+    unless_heard_within: timedelta | None,
 ) -> pb.ReportFailureRequest:
     request = pb.ReportFailureRequest(
         replica_id=replica_id, reason=reason, reporter=reporter, teardown=teardown
     )
+    if unless_heard_within is not None:
+        request.unless_heard_within_ms = max(1, int(unless_heard_within.total_seconds() * 1000))
     if incarnation is not None:
         request.incarnation = incarnation
     return request
@@ -341,10 +348,14 @@ class QuorumClient(_ClientSettings):
         reporter: str,
         incarnation: int | None = None,
         teardown: bool = False,
+        unless_heard_within: timedelta | None = None,
     ) -> bool:
-        """Evicts a replica at once; True if this report evicted it (False: already gone).
-        `teardown`: its ranks are to exit and its processes be killed (a rank is dead or hung)."""
-        request = _report_request(replica_id, reason, reporter, incarnation, teardown)
+        """Evicts a replica at once; True if this report evicted it (False: already gone, or
+        heard from within `unless_heard_within`, see ReportFailureRequest). `teardown`: its
+        ranks are to exit and its processes be killed (a rank is dead or hung)."""
+        request = _report_request(
+            replica_id, reason, reporter, incarnation, teardown, unless_heard_within
+        )
         return bool(self._call("ReportFailure", request).evicted)
 
     def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:
@@ -503,10 +514,14 @@ class AsyncQuorumClient(_ClientSettings):
         reporter: str,
         incarnation: int | None = None,
         teardown: bool = False,
+        unless_heard_within: timedelta | None = None,
     ) -> bool:
-        """Evicts a replica at once; True if this report evicted it (False: already gone).
-        `teardown`: its ranks are to exit and its processes be killed (a rank is dead or hung)."""
-        request = _report_request(replica_id, reason, reporter, incarnation, teardown)
+        """Evicts a replica at once; True if this report evicted it (False: already gone, or
+        heard from within `unless_heard_within`, see ReportFailureRequest). `teardown`: its
+        ranks are to exit and its processes be killed (a rank is dead or hung)."""
+        request = _report_request(
+            replica_id, reason, reporter, incarnation, teardown, unless_heard_within
+        )
         return bool((await self._call("ReportFailure", request)).evicted)
 
     async def leave(self, replica_id: str, incarnation: int, reason: str = "") -> None:

@@ -216,10 +216,13 @@ class Coordinator:
         reporter: str,
         *,
         teardown: bool = False,
+        unless_heard_within: float | None = None,
     ) -> bool:
         """Evicts a replica at once; False when it was already gone or the report is stale.
         `teardown` travels on the eviction event: the replica's ranks exit and node agents
-        kill its processes."""
+        kill its processes. With `unless_heard_within` (seconds), also False while the replica
+        called within that long or within three of its usual intervals between Quorum calls
+        (`CoreState.silent_for`): the reporter may only have lost its own link to it."""
         core.check_id(replica_id)
         core.check_id(reporter, "reporter")
         core.check_reason(reason)
@@ -229,6 +232,10 @@ class Coordinator:
         reg = self._state.registered.get(replica_id)
         if reg is None or (incarnation is not None and incarnation != reg.incarnation):
             return False
+        if unless_heard_within is not None:
+            quiet = max(unless_heard_within, 3 * self._state.ask_gap.get(replica_id, 0.0))
+            if self._state.silent_for(replica_id, self._clock()) < quiet:
+                return False
         self._evict(
             reg, kind="evicted", cause="report", reason=f"{reporter}: {reason}", teardown=teardown
         )
@@ -307,10 +314,7 @@ class Coordinator:
     def _form(self, now: float, path: str, reason: str) -> None:
         shares = None
         if self._failslow.policy != "off":
-            work = core.round_work(self._state)
-            shares, evict = self._failslow.plan(
-                work.healthy, work.even, work.max_micro_steps, work.step, now
-            )
+            shares, evict = self._failslow.plan_round(self._state, now)
             if evict:  # each eviction re-evaluates the round without the evicted replica
                 for rid in evict:
                     self._evict(

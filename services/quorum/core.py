@@ -209,10 +209,12 @@ class CoreState:
     `newcomers` = registered incarnations that have not asked yet (minus restored members)."""
 
     __slots__ = (
+        "ask_gap",
         "expected",
         "expected_waiting",
         "held",
         "issued",
+        "last_ask",
         "last_quorum_id",
         "last_seen",
         "last_step",
@@ -239,6 +241,9 @@ class CoreState:
         """Replica -> (incarnation, open streams): its leader's Watch streams that keep it alive
         without heartbeats (`hold`)."""
         self.last_seen: dict[str, float] = {}
+        self.last_ask: dict[str, float] = {}
+        self.ask_gap: dict[str, float] = {}
+        """Replica -> its usual time between Quorum calls (smoothed): its step time."""
         self.last_step: dict[str, int] = {}
         self.waiting: dict[str, Ask] = {}
         self.not_waiting: set[str] = set()
@@ -279,6 +284,8 @@ class CoreState:
         self.not_waiting.discard(replica_id)
         self.newcomers.discard(replica_id)
         self.last_seen.pop(replica_id, None)
+        self.last_ask.pop(replica_id, None)
+        self.ask_gap.pop(replica_id, None)
         self.last_step.pop(replica_id, None)
         self.expected.discard(replica_id)
         return reg
@@ -307,6 +314,13 @@ class CoreState:
         """Records a sign of life."""
         if replica_id in self.registered:
             self.last_seen[replica_id] = max(now, self.last_seen.get(replica_id, now))
+
+    def silent_for(self, replica_id: str, now: float) -> float:
+        """Seconds since the replica last called the service or waited in a round; its Watch
+        stream does not count (0 while it waits in the round)."""
+        if replica_id in self.waiting:
+            return 0.0
+        return max(0.0, now - self.last_seen.get(replica_id, now))
 
     def seen(self, replica_id: str, now: float) -> float:
         """When the replica was last known alive: now while a stream holds it."""
@@ -341,6 +355,11 @@ class CoreState:
             if rid in self.expected:
                 self.expected_waiting += 1
         self.waiting[rid] = ask
+        previous = self.last_ask.get(rid)
+        if previous is not None and ask.arrived > previous:
+            gap = ask.arrived - previous
+            self.ask_gap[rid] = 0.7 * self.ask_gap.get(rid, gap) + 0.3 * gap
+        self.last_ask[rid] = ask.arrived
         self.last_step[rid] = ask.step
         self.last_seen[rid] = max(ask.arrived, self.last_seen.get(rid, ask.arrived))
         if self.round_started is None:
@@ -466,32 +485,7 @@ def expired(now: float, state: CoreState, config: QuorumConfig) -> tuple[list[st
     return sorted(gone), next_expiry
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RoundWork:
-    """The work of the replicas that would form a quorum now (the fail-slow planner's input)."""
-
-    healthy: tuple[str, ...]
-    """The waiting replicas at the largest step, sorted."""
-    step: int
-    """That step."""
-    even: int
-    """The even share of micro-steps the most of them declare."""
-    max_micro_steps: int
-    """The smallest limit any of them declares (0: none)."""
-
-
-def round_work(state: CoreState) -> RoundWork:
-    """What the fail-slow planner needs about the round that would form now."""
-    asks = state.waiting.values()
-    step = max(a.step for a in asks)
-    healthy = tuple(sorted(a.replica_id for a in asks if a.step == step))
-    limits = [a.work.max_micro_steps for a in asks if a.work.max_micro_steps]
-    return RoundWork(
-        healthy=healthy, step=step, even=_even(asks), max_micro_steps=min(limits, default=0)
-    )
-
-
-def _even(asks: Iterable[Ask]) -> int:
+def even_share(asks: Iterable[Ask]) -> int:
     """The even share most asks declare (the larger on a tie): one job has one, but a replica
     started with another value must not make the round's answer depend on arrival order."""
     evens = collections.Counter(a.work.even for a in asks)
@@ -554,7 +548,7 @@ def form(
 
 
 def _micro_steps(asks: Sequence[Ask], max_step: int, next_shares: Mapping[str, int]) -> MicroSteps:
-    even = _even(asks)
+    even = even_share(asks)
     trained = {
         a.replica_id: a.work.declared
         for a in asks

@@ -28,6 +28,8 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Literal
 
+from fthsdp.services.quorum import core
+from fthsdp.services.quorum.core import CoreState
 from fthsdp.services.quorum.domain import FAILSLOW_POLICIES, FailSlowDecision, StepWork
 
 Policy = Literal["off", "rebalance", "evict", "auto"]
@@ -224,6 +226,15 @@ class FailSlowPlanner:
             return {}
         median = statistics.median(known.values())
         return {r: known.get(r, median) for r in replicas}
+
+    def plan_round(self, state: CoreState, now: float) -> tuple[dict[str, int], tuple[str, ...]]:
+        """`plan` for the round that would form now: its replicas at the largest step, the even
+        share most of them declare, and the smallest limit any of them declares."""
+        asks = state.waiting.values()
+        step = max(a.step for a in asks)
+        healthy = tuple(sorted(a.replica_id for a in asks if a.step == step))
+        limits = [a.work.max_micro_steps for a in asks if a.work.max_micro_steps]
+        return self.plan(healthy, core.even_share(asks), min(limits, default=0), step, now)
 
     def plan(
         self, healthy: tuple[str, ...], even: int, max_micro_steps: int, step: int, now: float

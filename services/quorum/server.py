@@ -200,6 +200,9 @@ class _Servicer:
             request.reason,
             request.reporter,
             teardown=request.teardown,
+            unless_heard_within=(
+                request.unless_heard_within_ms / 1000 if request.unless_heard_within_ms else None
+            ),
         )
         return pb.ReportFailureResponse(evicted=evicted)
 

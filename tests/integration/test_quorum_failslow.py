@@ -93,3 +93,34 @@ async def test_policy_evict_tears_the_slowest_replica_down(
         status = await client.status()
         assert status.failslow[-1].action == "evict"
         assert status.failslow[-1].evicted == ("r2",)
+
+
+async def test_a_conditional_report_evicts_only_a_replica_the_service_no_longer_hears(
+    make_quorum_server: QuorumServerFactory, token: str
+) -> None:
+    """ReportFailure's `unless_heard_within` (the health service behind a silent node agent):
+    a replica that keeps asking stays; one that stopped is evicted once it has been quiet that
+    long. Its leader's Watch stream does not count as hearing it."""
+    server = await make_quorum_server(heartbeat_timeout=timedelta(seconds=30))
+    quiet = timedelta(milliseconds=300)
+    async with AsyncQuorumClient(server.address, token) as client:
+        incarnation = await client.join("r0", [RANK])
+        stream = client.watch(holder=("r0", incarnation))
+        async for event in stream:  # the stream holds r0 alive from its snapshot on
+            assert event.kind == "snapshot" and event.incarnation == incarnation
+            break
+        for step in range(3):  # it trains: every report comes within its quiet time
+            last_ask = asyncio.get_running_loop().time()
+            await client.quorum("r0", incarnation, step, timeout=timedelta(seconds=5))
+            assert not await client.report_failure(
+                "r0", "agent silent", reporter="health", unless_heard_within=quiet
+            )
+        (member,) = (await client.status()).members
+        assert member.last_seen_ago == timedelta(0)  # held alive by its stream, not by a call
+        while not await client.report_failure(  # it stops asking: evicted once quiet enough
+            "r0", "agent silent", reporter="health", unless_heard_within=quiet
+        ):
+            assert asyncio.get_running_loop().time() - last_ask < 5.0, "never evicted"
+            await asyncio.sleep(0.02)
+        assert asyncio.get_running_loop().time() - last_ask >= quiet.total_seconds()
+        assert "r0" not in {m.replica_id for m in (await client.status()).members}

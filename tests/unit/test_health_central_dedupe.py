@@ -1,15 +1,23 @@
 """One fault, one incident: the central engine's fail-stop verdict on a live node agent's rank
 waits for that agent's own incident, and is acted on only when none comes; behind an agent it no
-longer hears (host loss, or a link cut from central alone) it is not acted on at all (fake clock,
-in-memory store, a recording quorum link)."""
+longer hears (host loss, or a link cut from central alone) it is only reported on condition that
+the quorum service does not hear the replica either (fake clock, in-memory store, a recording
+quorum link)."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fthsdp.services.health.central import AGENT_GRACE_S, CentralEngine
+from fthsdp.services.health.central import (
+    AGENT_GRACE_S,
+    UNHEARD_QUIET_S,
+    UNHEARD_REPORT_EVERY_S,
+    CentralEngine,
+)
 from fthsdp.services.health.client_codec import NodeRank, NodeState, ReportBatch
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
@@ -33,6 +41,11 @@ class Clock:
 class RecordingQuorum:
     def __init__(self) -> None:
         self.reports: list[tuple[str, bool, int | None]] = []
+        self.conditional: list[tuple[str, float, float]] = []
+        """(replica, unless_heard_within, clock) of each conditional report."""
+        self.heard = True
+        """Whether the quorum service still hears the replicas (a conditional report fails)."""
+        self.clock: Clock | None = None
 
     async def report_failure(
         self,
@@ -41,8 +54,13 @@ class RecordingQuorum:
         *,
         reporter: str,
         teardown: bool,
-        incarnation: int | None,
+        incarnation: int | None = None,
+        unless_heard_within: float | None = None,
     ) -> str:
+        if unless_heard_within is not None:
+            now = self.clock.now if self.clock is not None else 0.0
+            self.conditional.append((replica_id, unless_heard_within, now))
+            return "already_gone" if self.heard else "evicted"
         self.reports.append((replica_id, teardown, incarnation))
         return "evicted"
 
@@ -149,24 +167,48 @@ async def _silent_node(engine: CentralEngine, clock: Clock, seconds: float) -> N
     for _ in range(round(seconds / 0.1)):
         clock.now += 0.1
         await engine.evaluate_once()
+        await asyncio.sleep(0)  # a yield: the reports it spawned get their (immediate) answers
 
 
 async def test_ranks_behind_an_agent_no_longer_heard_are_left_to_the_quorum_service() -> None:
     """Host loss and a link cut from central alone look the same from here; behind a cut link
-    the replica still trains and beats the quorum service, so nothing is reported or stored
-    (the quorum service's heartbeat timeout evicts a dead host)."""
+    the replica still trains and asks the quorum service, so it is reported only on condition
+    that the quorum service does not hear it either, again and again while the agent is
+    silent, and nothing is stored."""
     clock, quorum, metrics = Clock(), RecordingQuorum(), HealthMetrics(CollectorRegistry())
+    quorum.clock = clock
     engine = _engine(clock, quorum, metrics)
     await _run(engine, clock, 1.0, R0, R1)
     await _silent_node(engine, clock, TIMEOUT_S + AGENT_GRACE_S + 1.0)
     await _drain(engine)
-    assert quorum.reports == []
+    assert quorum.reports == []  # never unconditionally
+    assert {r for r, _, _ in quorum.conditional} == {"r0", "r1"}
+    assert all(quiet == UNHEARD_QUIET_S for _, quiet, _ in quorum.conditional)
+    times = [t for r, _, t in quorum.conditional if r == "r1"]
+    assert len(times) >= 4  # repeated while the replica is still heard by the quorum service
+    assert min(b - a for a, b in itertools.pairwise(times)) >= UNHEARD_REPORT_EVERY_S - 1e-9
     assert await _stored(engine) == []
     assert _unreachable(metrics) == 2
-    # The link is back and the ranks beat again: healthy, and nothing was ever an incident.
+    # The link is back and the ranks beat again: healthy, nothing was ever an incident, and
+    # the conditional reports stop.
     await _run(engine, clock, 0.3, R0, R1)
     assert (_state(engine, "r0"), _state(engine, "r1")) == ("healthy", "healthy")
     assert await _stored(engine) == []
+    reported = len(quorum.conditional)
+    await _run(engine, clock, 1.0, R0, R1)
+    await _drain(engine)
+    assert len(quorum.conditional) == reported
+
+
+async def test_a_silent_host_that_the_quorum_service_no_longer_hears_is_evicted_once() -> None:
+    clock, quorum = Clock(), RecordingQuorum()
+    quorum.clock, quorum.heard = clock, False
+    engine = _engine(clock, quorum)
+    await _run(engine, clock, 1.0, R0, R1)
+    await _silent_node(engine, clock, TIMEOUT_S + 1.0)
+    await _drain(engine)
+    # One conditional report per replica evicts it; nothing repeats after that.
+    assert sorted(r for r, _, _ in quorum.conditional) == ["r0", "r1"]
 
 
 async def test_a_held_verdict_whose_agent_falls_silent_in_the_grace_is_dropped() -> None:
