@@ -169,7 +169,15 @@ class RingWatch:
             return
         with self._evicted_lock:
             self._evicted[event.replica_id] = event.quorum_id
-        if plan is not None and _holds(plan, event.replica_id, event.quorum_id):
+        # A member that left did so after committing its last step, so the exchange in flight
+        # may well complete (its data is sent); if not, its closed sockets fail it at once. Only
+        # an evicted member (dead, hung, cut off) can leave its peers waiting. Aborting on a
+        # leave made the last replica to finish an exchange fail the job's final step.
+        if (
+            event.kind == "evicted"
+            and plan is not None
+            and _holds(plan, event.replica_id, event.quorum_id)
+        ):
             log.info(
                 "ring member evicted; aborting the exchange",
                 extra=self._context(evicted=event.replica_id),

@@ -253,3 +253,33 @@ def test_an_eviction_before_the_current_plan_formed_leaves_its_ring_alone(
     finally:
         watch.close()
         ring.close()
+
+
+def test_a_member_that_left_does_not_abort_the_exchange_but_dooms_later_rebuilds(
+    tmp_path: Path,
+) -> None:
+    """A graceful leave comes after the leaver committed its last step: the exchange in flight
+    may still complete (the last replica to finish the job's final step must not fail it), but
+    no ring of that quorum is rebuilt with the member gone."""
+    ring, _ = _ring_at(6, "r1")
+    plan = _plan(6, ("r0", "r1"))
+    watch = RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=lambda: plan,
+        stop=threading.Event(),
+        rank=0,
+    )
+    try:
+        watch._handle(
+            MembershipEvent(kind="left", replica_id="r0", quorum_id=6, reason="", incarnation=1)
+        )
+        assert not ring.broken
+        assert watch.gone_from(plan) == "r0"
+        watch._handle(
+            MembershipEvent(kind="evicted", replica_id="r0", quorum_id=6, reason="", incarnation=1)
+        )
+        assert ring.broken
+    finally:
+        watch.close()
+        ring.close()
