@@ -13,8 +13,9 @@ Quorum call (its last committed step's busy time and micro-steps): the median of
 Predicted throughput of a split is total micro-steps / the slowest replica's time. Among the
 options the policy allows, the planner takes the one with the highest predicted micro-steps per
 second over `horizon_s`, where an eviction costs `evict_cost_s` of the whole job's progress, and
-it changes the current choice only for a predicted gain of at least `min_gain`: measurements
-are noisy, and a choice that flips every step is worse than either."""
+it changes the current choice only for a predicted gain of at least `min_gain`, and not within
+`dwell_steps` of its last change: measurements are noisy, and a choice that flips every step is
+worse than either."""
 
 from __future__ import annotations
 
@@ -160,9 +161,9 @@ class _Speed:
         return statistics.median(self.recent) if self.recent else 0.0
 
 
-_WINDOW = 5
+_WINDOW = 7
 """Steps a speed is the median of: a step's compute time on a shared host jumps by tens of
-percent now and then, and one such step must not move micro-steps; three slow steps in a row
+percent now and then, and one such step must not move micro-steps; four slow steps in a row
 do (the planner reacts within a few steps)."""
 
 
@@ -179,7 +180,8 @@ class FailSlowPlanner:
         horizon_s: float = 60.0,
         evict_cost_s: float = 10.0,
         min_gain: float = 0.15,
-        margin: float = 0.2,
+        margin: float = 0.3,
+        dwell_steps: int = 8,
         min_replicas: int = 1,
         history: int = 32,
     ) -> None:
@@ -190,6 +192,8 @@ class FailSlowPlanner:
         self._evict_cost = evict_cost_s
         self._min_gain = min_gain
         self._margin = margin
+        self._dwell = dwell_steps
+        self._changed_step = -dwell_steps
         self._min_replicas = min_replicas
         self._speeds: dict[str, _Speed] = {}
         self._current: Choice | None = None
@@ -263,8 +267,14 @@ class FailSlowPlanner:
             current = None  # the membership changed: start from the even split
         elif current is not None:
             current = dataclasses.replace(current, rate=_rate(current.shares, speeds))
-        chosen = choose(self.policy, opts, current, min_gain=self._min_gain)
+        if current is not None and step - self._changed_step < self._dwell:
+            chosen = current  # a choice stands a few steps before it is weighed again
+        else:
+            chosen = choose(self.policy, opts, current, min_gain=self._min_gain)
         changed = current is None or chosen.shares != current.shares or chosen.evicted
+        before = current.shares if current is not None else dict.fromkeys(healthy, even)
+        if chosen.shares != before or chosen.evicted:
+            self._changed_step = step
         previous = self._current
         self._current = dataclasses.replace(chosen, evicted=())
         if changed and not (previous is None and chosen.action == "keep"):
