@@ -194,7 +194,8 @@ class Coordinator:
                 work=ask.work,
             )
         )
-        self._failslow.observe(rid, ask.incarnation, ask.work)
+        if not ask.commit_failed:  # a retry repeats its last committed step's measure
+            self._failslow.observe(rid, ask.incarnation, ask.work)
         self._evaluate(now)
         try:
             return await waiter.future
