@@ -173,7 +173,7 @@ class RingWatch:
         # may well complete (its data is sent); if not, its closed sockets fail it at once. Only
         # an evicted member (dead, hung, cut off) can leave its peers waiting. Aborting on a
         # leave made the last replica to finish an exchange fail the job's final step.
-        if (
+        while (
             event.kind == "evicted"
             and plan is not None
             and _holds(plan, event.replica_id, event.quorum_id)
@@ -183,8 +183,14 @@ class RingWatch:
                 extra=self._context(evicted=event.replica_id),
             )
             # Sticky for the plan's epoch: this rank may not have started rebuilding its ring
-            # for it yet, and would then wait for the gone member until the connect timeout.
+            # for it yet, and would then wait for the gone member until the connect timeout. A
+            # ring already at a newer epoch is left alone (`FtarRing.abort`): the training
+            # thread may have moved on to a newer plan meanwhile, which is checked in turn.
             self._ring.abort(epoch=plan.quorum_id)
+            newer = self._plan()
+            if newer is None or newer.quorum_id <= plan.quorum_id:
+                break
+            plan = newer
 
     def gone_from(self, plan: StepPlan) -> str | None:
         """A member of `plan`'s ring that was evicted (or left) after the plan's quorum formed,

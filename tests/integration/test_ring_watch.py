@@ -283,3 +283,52 @@ def test_a_member_that_left_does_not_abort_the_exchange_but_dooms_later_rebuilds
     finally:
         watch.close()
         ring.close()
+
+
+def test_an_eviction_seen_with_a_stale_plan_leaves_a_ring_already_at_a_newer_epoch(
+    tmp_path: Path,
+) -> None:
+    """The race behind a 2 s stall: the watch reads the plan of quorum 5 (holding r0), the
+    training thread moves on to quorum 6 (without r0) and starts rebuilding its ring, and only
+    then does the watch abort for quorum 5. That abort must not break the ring of quorum 6; a
+    newer plan that holds r0 too is aborted in turn."""
+    ring, _ = _ring_at(6, "r1")
+    plans = iter([_plan(5, ("r0", "r1")), _plan(6, ("r1", "r2"))])
+    latest = _plan(6, ("r1", "r2"))
+
+    def plan() -> StepPlan:
+        return next(plans, latest)
+
+    watch = RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=plan,
+        stop=threading.Event(),
+        rank=0,
+    )
+    try:
+        watch._handle(
+            MembershipEvent(kind="evicted", replica_id="r0", quorum_id=6, reason="", incarnation=1)
+        )
+        assert not ring.broken
+    finally:
+        watch.close()
+        ring.close()
+    ring, _ = _ring_at(6, "r0")
+    plans = iter([_plan(5, ("r0", "r1")), _plan(6, ("r0", "r1"))])
+    latest = _plan(6, ("r0", "r1"))
+    watch = RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=plan,
+        stop=threading.Event(),
+        rank=0,
+    )
+    try:
+        watch._handle(
+            MembershipEvent(kind="evicted", replica_id="r0", quorum_id=6, reason="", incarnation=1)
+        )
+        assert ring.broken  # quorum 6 holds r0 as well: its ring is doomed too
+    finally:
+        watch.close()
+        ring.close()

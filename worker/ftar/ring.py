@@ -274,13 +274,17 @@ class FtarRing(Reconfigurer, RingSteps):
         Thread-safe and idempotent. The ring stays unusable until the next ``reconfigure``.
         With ``epoch``, that epoch and every older one stay aborted: a ``reconfigure`` to one
         of them that has not started yet fails at once instead of waiting for a member that
-        is gone (the caller knows one is).
+        is gone (the caller knows one is); and a ring already at a newer epoch (reconfiguring
+        or exchanging) is left alone, since nothing of the aborted epochs is in flight.
         """
         with self._lock:
             if self._closed:
                 return
             if epoch is not None:
                 self._dead_epoch = max(self._dead_epoch, epoch)
+                topo = self._topo
+                if topo is not None and topo.epoch > epoch:
+                    return
             self._gen += 1
             self._halted = FtarAbortedError(reason)
             self._admitting = False
