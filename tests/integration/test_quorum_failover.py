@@ -6,6 +6,7 @@ deciding at once)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -50,7 +51,11 @@ async def servers(token: str) -> AsyncIterator[list[QuorumServer]]:
     started: list[QuorumServer] = []
     yield started
     for server in started:
-        await server.stop(timedelta(seconds=0.2))
+        # Bounded: stopping a leader whose Redis link is still blackholed by the test's proxy
+        # hung once in CI for the whole test timeout (an open issue: stop() waits on a store
+        # call with no deadline there).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.stop(timedelta(seconds=0.2)), timeout=15)
 
 
 async def _start(servers: list[QuorumServer], token: str, redis_url: str) -> QuorumServer:
