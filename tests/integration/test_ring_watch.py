@@ -6,6 +6,7 @@ moved on); one that includes it does not."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +67,19 @@ def _ring_at(epoch: int, replica_id: str) -> tuple[FtarRing, StepPlan]:
         serve=False,
     )
     return ring, plan
+
+
+def _offline_watch(
+    tmp_path: Path, ring: FtarRing, plan: Callable[[], StepPlan | None]
+) -> RingWatch:
+    """A rank-0 watch with no quorum service behind it: its events come from `_handle`."""
+    return RingWatch(
+        _config("127.0.0.1:1", "t" * 32, tmp_path),
+        ring=ring,
+        plan=plan,
+        stop=threading.Event(),
+        rank=0,
+    )
 
 
 def test_only_a_teardown_of_its_own_replica_calls_the_ranks_teardown(
@@ -167,13 +181,7 @@ def test_a_quorum_that_includes_this_replica_or_is_not_newer_leaves_its_ring_alo
     tmp_path: Path,
 ) -> None:
     ring, plan = _ring_at(5, "r1")
-    watch = RingWatch(
-        _config("127.0.0.1:1", "t" * 32, tmp_path),
-        ring=ring,
-        plan=lambda: plan,
-        stop=threading.Event(),
-        rank=0,
-    )
+    watch = _offline_watch(tmp_path, ring, lambda: plan)
     try:
         for quorum_id, members in ((6, ("r0", "r1")), (5, ("r0",)), (4, ("r0",))):
             event = MembershipEvent(
@@ -199,13 +207,7 @@ def test_an_eviction_dooms_every_plan_of_its_quorum_that_holds_the_replica(
     if any) and a quorum without r0 are fine."""
     current = _plan(5, ("r0", "r1"))
     ring = FtarRing(FtarConfig(auth_key=b"k" * 32))
-    watch = RingWatch(
-        _config("127.0.0.1:1", "t" * 32, tmp_path),
-        ring=ring,
-        plan=lambda: current,
-        stop=threading.Event(),
-        rank=0,
-    )
+    watch = _offline_watch(tmp_path, ring, lambda: current)
     try:
         assert watch.gone_from(_plan(6, ("r0", "r1"))) is None
         watch._handle(
@@ -237,13 +239,7 @@ def test_an_eviction_before_the_current_plan_formed_leaves_its_ring_alone(
     incarnation, and the stale event must not abort it."""
     ring, _ = _ring_at(6, "r1")
     plan = _plan(6, ("r0", "r1"))
-    watch = RingWatch(
-        _config("127.0.0.1:1", "t" * 32, tmp_path),
-        ring=ring,
-        plan=lambda: plan,
-        stop=threading.Event(),
-        rank=0,
-    )
+    watch = _offline_watch(tmp_path, ring, lambda: plan)
     try:
         watch._handle(
             MembershipEvent(kind="evicted", replica_id="r0", quorum_id=5, reason="", incarnation=1)
@@ -263,13 +259,7 @@ def test_a_member_that_left_does_not_abort_the_exchange_but_dooms_later_rebuilds
     no ring of that quorum is rebuilt with the member gone."""
     ring, _ = _ring_at(6, "r1")
     plan = _plan(6, ("r0", "r1"))
-    watch = RingWatch(
-        _config("127.0.0.1:1", "t" * 32, tmp_path),
-        ring=ring,
-        plan=lambda: plan,
-        stop=threading.Event(),
-        rank=0,
-    )
+    watch = _offline_watch(tmp_path, ring, lambda: plan)
     try:
         watch._handle(
             MembershipEvent(kind="left", replica_id="r0", quorum_id=6, reason="", incarnation=1)
@@ -299,13 +289,7 @@ def test_an_eviction_seen_with_a_stale_plan_leaves_a_ring_already_at_a_newer_epo
     def plan() -> StepPlan:
         return next(plans, latest)
 
-    watch = RingWatch(
-        _config("127.0.0.1:1", "t" * 32, tmp_path),
-        ring=ring,
-        plan=plan,
-        stop=threading.Event(),
-        rank=0,
-    )
+    watch = _offline_watch(tmp_path, ring, plan)
     try:
         watch._handle(
             MembershipEvent(kind="evicted", replica_id="r0", quorum_id=6, reason="", incarnation=1)
@@ -317,13 +301,7 @@ def test_an_eviction_seen_with_a_stale_plan_leaves_a_ring_already_at_a_newer_epo
     ring, _ = _ring_at(6, "r0")
     plans = iter([_plan(5, ("r0", "r1")), _plan(6, ("r0", "r1"))])
     latest = _plan(6, ("r0", "r1"))
-    watch = RingWatch(
-        _config("127.0.0.1:1", "t" * 32, tmp_path),
-        ring=ring,
-        plan=plan,
-        stop=threading.Event(),
-        rank=0,
-    )
+    watch = _offline_watch(tmp_path, ring, plan)
     try:
         watch._handle(
             MembershipEvent(kind="evicted", replica_id="r0", quorum_id=6, reason="", incarnation=1)
