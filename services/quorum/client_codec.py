@@ -304,7 +304,7 @@ def status_from_pb(msg: pb.StatusResponse) -> StatusSnapshot:
             FailSlowDecision(
                 decided_at=datetime.fromtimestamp(d.decided_unix_ms / 1000, tz=UTC),
                 step=d.step,
-                action=_ACTIONS.get(d.action, "keep"),
+                action=_action(d.action),
                 shares=MappingProxyType({s.replica_id: s.next for s in d.uneven}),
                 evicted=tuple(d.evicted),
                 reason=d.reason,
@@ -319,6 +319,13 @@ _ACTIONS: dict[str, Literal["keep", "rebalance", "evict"]] = {
     "rebalance": "rebalance",
     "evict": "evict",
 }
+
+
+def _action(name: str) -> Literal["keep", "rebalance", "evict"]:
+    action = _ACTIONS.get(name)
+    if action is None:
+        raise InternalError(f"unknown fail-slow action {name!r}")
+    return action
 
 
 def event_to_pb(event: MembershipEvent) -> pb.WatchResponse:
