@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from fthsdp.worker.ftar import (
     FtarAbortedError,
     FtarConfig,
     FtarEpochMismatchError,
+    FtarPeerError,
     FtarRing,
     FtarTimeoutError,
     RecoverableFtarError,
@@ -138,6 +140,41 @@ def test_a_rank_whose_exchange_failed_refuses_its_epoch_at_once() -> None:
         for w in exchange([a, b, c], xs):
             w.wait(0)
         assert all(torch.equal(x[0], torch.full((100,), 1.0)) for x in xs)
+
+
+def test_a_connection_kept_at_one_end_and_dropped_at_the_other_fails_the_epoch_at_both() -> None:
+    """Epoch 2 turns the ring a, b, c into a, b. a keeps its connection to b (its right in
+    both rings) an instant before b aborts epoch 1 (its watch saw c go) and drops it. a's
+    exchange fails on the dropped connection, and b, waiting for a to connect as its left
+    (a never will: it kept one), learns it from its own right connection, to a, closing: it
+    fails epoch 2 at once, recoverably, instead of waiting out the connect timeout while the
+    quorum waits for b to ask. (A 2 s stall of the survivors in the overlapping-failures demo.)
+    Epoch 3 then works."""
+    config = FtarConfig(
+        chunk_bytes=64,
+        chunk_timeout=timedelta(seconds=5),
+        exchange_timeout=timedelta(seconds=10),
+        connect_timeout=timedelta(seconds=120),
+    )
+    with ring_set(3, config) as (a, b, c), ThreadPoolExecutor(2) as pool:
+        peers = [a.address, b.address]
+        a_joined = pool.submit(a.reconfigure, peers, 0, 2)
+        wait_for(lambda: a.epoch == 2)  # a has kept its right connection and awaits b
+        b.abort("c evicted")
+        b_joined = pool.submit(b.reconfigure, peers, 1, 2)
+        a_joined.result(timeout=30)  # b connected to a, as a's left
+        work = a.allreduce([torch.ones(100)], num_contributors=2)
+        wait_for(work.done, 30)
+        assert isinstance(work.exception(), RecoverableFtarError), work.exception()
+        # Failed by the closed connection, well before the connect timeout (120 s).
+        with pytest.raises(FtarPeerError, match="closed the connection while this rank awaited"):
+            b_joined.result(timeout=60)
+        c.close()
+        reconfigure_all([a, b], epoch=3)
+        xs = [[torch.full((100,), 1.0)], [torch.full((100,), 3.0)]]
+        for w in exchange([a, b], xs):
+            w.wait(0)
+        assert all(torch.equal(x[0], torch.full((100,), 2.0)) for x in xs)
 
 
 def test_silent_peer_times_out_recoverably() -> None:

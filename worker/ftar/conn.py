@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 
@@ -95,12 +96,29 @@ def read_hello(
     return wire.Hello(epoch, position, size, address), nonce
 
 
-def is_alive(sock: socket.socket) -> bool:
-    """False once the peer closed or reset the connection (non-blocking probe).
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+"""Linux's "peer shut its sending side down" poll event (elsewhere, `is_alive` peeks instead)."""
 
-    Buffered bytes count as alive: a faster neighbour may already have started the next
-    exchange on this connection.
+
+def is_alive(sock: socket.socket) -> bool:
+    """False once the peer closed, shut down or reset the connection (non-blocking probe).
+
+    Buffered bytes alone count as alive (a faster neighbour may already have started the next
+    exchange on this connection), but not behind the peer's FIN: a receiver's READY for an
+    exchange its sender never began sits unread on the sender's socket after the receiver
+    dropped the connection, and a probe that only peeked would keep that connection for a
+    new epoch (the receiver, awaiting a fresh one, would then wait out its connect timeout).
     """
+    if _RDHUP:
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | _RDHUP)
+            events = poller.poll(0)
+        except (OSError, ValueError):  # closed here: fileno() is -1
+            return False
+        return not any(
+            ev & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events
+        )
     try:
         # MSG_DONTWAIT: non-blocking for this call only; the fd's mode is never toggled, so a
         # thread blocked on the socket meanwhile is unaffected.

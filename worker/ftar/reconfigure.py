@@ -31,6 +31,10 @@ _JITTER = random.Random()
 make the replicas' states differ (and their snapshots disagree)."""
 
 
+_AWAIT_POLL_S = 0.01
+"""How often a rank awaiting its left neighbour checks its right connection is still open."""
+
+
 class Reconfigurer(Acceptor):
     """FtarRing's part of ``reconfigure`` that joins the new ring (a mixin; it admits the
     HELLOs parked for the new epoch through the :class:`Acceptor`)."""
@@ -146,13 +150,25 @@ class Reconfigurer(Acceptor):
         return ack
 
     def _await_left(self, topo: Topology, gen: int, deadline: float) -> None:
+        """Waits for the left neighbour's HELLO. Fails early once the right neighbour closed
+        the connection just made: the epoch failed there, and a left neighbour that kept a
+        connection this rank had already buried (it decided to keep it an instant before this
+        rank's abort reached it) never connects again. Its exchange fails on that connection,
+        and the failure travels round the ring to here; without this check, this rank would
+        wait out the connect timeout while the quorum waits for it to ask."""
         with self._cv:
             while self._in is None:
                 self._check_gen(gen)
+                out = self._out
+                if out is not None and not conn.is_alive(out.sock):
+                    raise FtarPeerError(
+                        f"right neighbour {topo.right} closed the connection while this rank "
+                        f"awaited {topo.left}: epoch {topo.epoch} failed there"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FtarTimeoutError(f"left neighbour {topo.left} did not connect in time")
-                self._cv.wait(left)
+                self._cv.wait(min(left, _AWAIT_POLL_S))
 
     def _check_gen(self, gen: int) -> None:
         if self._closed or self._gen != gen:
