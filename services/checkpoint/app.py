@@ -25,14 +25,12 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fthsdp.services.checkpoint.app_data import RangeResponse
 from fthsdp.services.checkpoint.client_errors import (
     CheckpointError,
     NotFoundError,
     NotReadyError,
-    PayloadTooLargeError,
 )
 from fthsdp.services.checkpoint.client_manifest import (
     ID_PATTERN,
@@ -49,9 +47,9 @@ from fthsdp.services.checkpoint.durable import DurableStore, DurableWriter
 from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import PositionStore
 from fthsdp.services.common.api_docs import install_docs
-from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers
-from fthsdp.services.common.parse import MAX_STEP, ascii_int
+from fthsdp.services.common.http_guard import GuardRules, HttpGuard
+from fthsdp.services.common.parse import MAX_STEP
 from fthsdp.services.common.tokens import Token
 
 log = logging.getLogger(__name__)
@@ -123,79 +121,16 @@ class Services:
     ready: bool = field(default=True)
 
 
-class GuardMiddleware:
-    """Pure ASGI (so streaming stays cheap): auth on /v1, body bound, request metrics."""
+def _guard_rules(services: Services) -> GuardRules:
+    metrics = services.metrics
 
-    def __init__(self, app: ASGIApp, services: Services) -> None:
-        self.app = app
-        self.services = services
+    def count(route: str, status: int, seconds: float) -> None:
+        metrics.requests.labels(route, str(status)).inc()
+        metrics.request_seconds.labels(route).observe(seconds)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        refusal = self._refuse(scope)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            self._count(scope, refusal.status_code, 0.0)
-            return
-        status = [500]
-        too_large = [False]
-
-        async def send_and_note(message: Message) -> None:
-            if too_large[0]:
-                # The framework turns the bound's error, raised while it parses the body, into
-                # its own 400; the client sent too much, and is told so.
-                if message["type"] == "http.response.start":
-                    status[0] = 413
-                    limit = self.services.config.max_body_bytes
-                    answer = error_response(
-                        413, "too_large", f"request bodies are limited to {limit} bytes"
-                    )
-                    await answer(scope, receive, send)
-                return
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        try:
-            await self.app(scope, self._bounded(receive, too_large), send_and_note)
-        finally:
-            self._count(scope, status[0], loop.time() - start)
-
-    def _refuse(self, scope: Scope) -> JSONResponse | None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"] not in OPEN_PATHS and not self.services.token.accepts(
-            headers.get("authorization")
-        ):
-            return error_response(401, "unauthorized", "missing or wrong bearer token")
-        length = headers.get("content-length")
-        limit = self.services.config.max_body_bytes
-        size = None if length is None else ascii_int(length)
-        if length is not None and (size is None or size > limit):
-            return error_response(413, "too_large", f"request bodies are limited to {limit} bytes")
-        return None
-
-    def _bounded(self, receive: Receive, too_large: list[bool]) -> Receive:
-        limit, seen = self.services.config.max_body_bytes, [0]
-
-        async def bounded() -> Message:
-            message = await receive()
-            seen[0] += len(message.get("body", b""))
-            if seen[0] > limit:
-                too_large[0] = True
-                raise PayloadTooLargeError(f"request bodies are limited to {limit} bytes")
-            return message
-
-        return bounded
-
-    def _count(self, scope: Scope, status: int, seconds: float) -> None:
-        endpoint = scope.get("endpoint")
-        route = getattr(endpoint, "__name__", "unmatched")
-        self.services.metrics.requests.labels(route, str(status)).inc()
-        self.services.metrics.request_seconds.labels(route).observe(seconds)
+    return GuardRules(
+        token=services.token, max_body_bytes=services.config.max_body_bytes, count=count
+    )
 
 
 Job = Annotated[str, Path(pattern=ID_PATTERN, max_length=64)]
@@ -260,7 +195,7 @@ def create_app(services: Services) -> FastAPI:
     _snapshot_routes(app, services)
     _checkpoint_routes(app, services)
     _position_routes(app, services)
-    app.add_middleware(GuardMiddleware, services=services)
+    app.add_middleware(HttpGuard, rules=_guard_rules(services))
     return app
 
 

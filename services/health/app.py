@@ -31,13 +31,13 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from fthsdp.services.common.api_docs import install_docs
 from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers
+from fthsdp.services.common.http_guard import GuardRules, HttpGuard
 from fthsdp.services.common.http_limits import MAX_HEADER_BYTES, BoundedH11Protocol
-from fthsdp.services.common.parse import ascii_int
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.api_models import (
@@ -83,53 +83,20 @@ class ApiContext:
     quorum: QuorumReporter | None = None
 
 
-class GuardMiddleware:
-    """Pure ASGI: the bearer token on everything but the open paths, a bound on bodies, and the
-    request counter."""
+def _guard_rules(context: ApiContext) -> GuardRules:
+    metrics = context.metrics
 
-    def __init__(self, app: ASGIApp, context: ApiContext) -> None:
-        self.app = app
-        self.context = context
+    def count(route: str, status: int, seconds: float) -> None:
+        metrics.requests.labels(method=f"http:{route}", code=str(status)).inc()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        refusal = self._refuse(scope)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            self._count(scope, refusal.status_code)
-            return
-        status = [500]
-
-        async def send_and_note(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            self._count(scope, status[0])
-
-    def _refuse(self, scope: Scope) -> JSONResponse | None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        path: str = scope["path"]
-        open_path = path in _OPEN_PATHS or path.startswith("/static/")
-        if not open_path and not self.context.token.accepts(headers.get("authorization")):
-            self.context.metrics.auth_failures.inc()
-            return error_response(401, "unauthorized", "missing or wrong bearer token")
-        length = headers.get("content-length")
-        size = None if length is None else ascii_int(length)
-        if length is not None and (size is None or size > MAX_BODY_BYTES):
-            return error_response(413, "too_large", f"bodies are limited to {MAX_BODY_BYTES} bytes")
-        if scope["method"] in ("PUT", "POST") and length is None:
-            return error_response(411, "length_required", "send a Content-Length")
-        return None
-
-    def _count(self, scope: Scope, status: int) -> None:
-        route = getattr(scope.get("endpoint"), "__name__", "unmatched")
-        self.context.metrics.requests.labels(method=f"http:{route}", code=str(status)).inc()
+    return GuardRules(
+        token=context.token,
+        max_body_bytes=MAX_BODY_BYTES,
+        count=count,
+        is_open=lambda path: path in _OPEN_PATHS or path.startswith("/static/"),
+        on_auth_failure=metrics.auth_failures.inc,
+        require_length=True,
+    )
 
 
 def _probe_routes(app: FastAPI, context: ApiContext) -> None:
@@ -164,7 +131,7 @@ def create_central_app(context: ApiContext) -> FastAPI:
     _state_routes(app, context.engine)
     _quorum_routes(app, context.quorum)
     _dashboard_routes(app)
-    app.add_middleware(GuardMiddleware, context=context)
+    app.add_middleware(HttpGuard, rules=_guard_rules(context))
     return app
 
 
@@ -187,7 +154,7 @@ def create_agent_app(context: ApiContext) -> FastAPI:
             "forwarded": agent.forwarded,
         }
 
-    app.add_middleware(GuardMiddleware, context=context)
+    app.add_middleware(HttpGuard, rules=_guard_rules(context))
     return app
 
 
