@@ -13,7 +13,6 @@ dropped from the round at once (and the replica stays live only for the heartbea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -120,8 +119,9 @@ class Coordinator:
         self._cancel_timer()
         if self._sweeper is not None:
             self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            # asyncio.wait, not `await` under suppress(CancelledError): that would also absorb
+            # a cancellation of close()'s own caller.
+            await asyncio.wait({self._sweeper})
         waiters = list(self._waiters.values())
         self._waiters.clear()
         for waiter in waiters:

@@ -116,10 +116,11 @@ class CoordinatorSlot:
     async def close(self) -> None:
         """Stops deciding (a leader releases its lease) and closes the coordinator."""
         if self._leadership is not None:
-            await self._leadership.stop()
+            await self._leadership.stop()  # bounded by the lease ttl, Redis reachable or not
         elif self._coordinator is not None:
             await self._coordinator.close()
         if self._redis is not None:
+            # Closes sockets without a round trip; redis-py bounds each by socket_connect_timeout.
             await self._redis.aclose()
 
     async def _take_over(self, epoch: int) -> None:

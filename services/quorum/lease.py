@@ -8,7 +8,12 @@ Safety does not depend on clocks agreeing across machines, only on clock *rates*
 trusts its lease until `sent + ttl * (1 - drift_margin)`, where `sent` is its own monotonic
 time just before the request that set the TTL. Redis started the TTL later than `sent`, so the
 leader always gives up before Redis could hand the lease to anyone else, even when it cannot
-reach Redis at all (a partition)."""
+reach Redis at all (a partition).
+
+Stopping is bounded whatever Redis does: no Redis call made while stopping is waited on for longer
+than one lease `ttl`. A lease that cannot be released in that time is left to expire (it lives
+at most `ttl` more, and the fencing epoch refuses its holder's writes once anyone else has
+acquired it), so waiting longer would buy nothing."""
 
 from __future__ import annotations
 
@@ -109,6 +114,12 @@ class RedisLease:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
 
+    @property
+    def held(self) -> bool:
+        """Whether this instance acquired the lease and has not released it (as far as it
+        knows: Redis may have expired it since)."""
+        return self._value is not None
+
     async def try_acquire(self, ttl: timedelta) -> int | None:
         """The new epoch when this instance now holds the lease; None when another does."""
         epoch, value = await self._acquire(
@@ -138,6 +149,17 @@ class RedisLease:
         return None if raw is None else parse_holder(raw)
 
 
+async def _settle(future: asyncio.Future[None], bound: float, what: str) -> None:
+    """Waits up to `bound` seconds for `future` (already cancelled or finishing) and logs how it
+    ended. Unlike awaiting it under `suppress(CancelledError)`, this neither absorbs a
+    cancellation of the caller nor waits without end on a task that does not finish."""
+    await asyncio.wait({future}, timeout=bound)
+    if not future.done():
+        log.error("%s did not end within %.1f s of stopping; not waiting for it", what, bound)
+    elif not future.cancelled() and future.exception() is not None:
+        log.error("%s failed while stopping", what, exc_info=future.exception())
+
+
 def _ms(value: timedelta) -> int:
     return max(1, int(value.total_seconds() * 1000))
 
@@ -165,6 +187,8 @@ class Leadership:
         self._valid_until = 0.0
         self._step_down = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._deposing: asyncio.Future[None] | None = None
+        self._stopped = False
 
     @property
     def epoch(self) -> int | None:
@@ -180,23 +204,38 @@ class Leadership:
         self._step_down.set()
 
     async def stop(self) -> None:
-        """Ends the loop; a leader steps down and releases the lease."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Ends the loop; a leader steps down and releases the lease. Each wait is bounded by
+        the lease `ttl` (see the module doc), so this returns even when Redis is unreachable."""
+        self._stopped = True
+        bound = self._config.ttl.total_seconds()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await _settle(task, bound, "the election loop")
+        if self._deposing is not None:
+            # A step-down the cancellation interrupted goes on in its own task (see _depose):
+            # the coordinator is closed before stop() returns.
+            await _settle(self._deposing, bound, "stepping down")
         if self._epoch is not None:
-            await self._depose("stopping")
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._lease.release(), timeout=1.0)
+            await _settle(asyncio.ensure_future(self._depose("stopping")), bound, "stepping down")
+        if self._lease.held:
+            await self._release()
 
     async def _run(self) -> None:
-        while True:
+        # The flag, besides the cancellation, ends the loop: a stopping instance must never
+        # campaign again, even if a cancellation was absorbed somewhere below.
+        while not self._stopped:
             if self._epoch is None:
                 await self._campaign()
             else:
                 await self._hold()
+
+    async def _release(self) -> None:
+        """Releases the lease within one `ttl`, or leaves it to expire (module doc)."""
+        try:
+            await asyncio.wait_for(self._lease.release(), timeout=self._config.ttl.total_seconds())
+        except Exception as exc:  # whatever went wrong, the lease expires by itself
+            log.info("lease not released, left to expire: %s", exc or type(exc).__name__)
 
     async def _campaign(self) -> None:
         ttl = self._config.ttl
@@ -211,6 +250,8 @@ class Leadership:
         if epoch is None:
             await asyncio.sleep(self._config.poll_interval.total_seconds())
             return
+        if self._stopped:  # acquired as stop() came: no takeover; stop() releases it
+            return
         self._valid_until = sent + self._trusted()
         self._step_down.clear()
         self._epoch = epoch
@@ -220,8 +261,7 @@ class Leadership:
         except Exception:
             log.exception("taking over as leader failed; stepping down")
             await self._depose("takeover failed")
-            with contextlib.suppress(Exception):
-                await self._lease.release()
+            await self._release()
 
     async def _hold(self) -> None:
         """One renewal period of a leader."""
@@ -253,7 +293,14 @@ class Leadership:
             return
         epoch, self._epoch = self._epoch, None
         log.warning("stepping down as quorum leader: %s", reason, extra={"leader_epoch": epoch})
-        await self._on_deposed(reason)
+        # The step-down runs in a task of its own, shielded: a stop() that cancels this loop
+        # meanwhile must neither leave the coordinator half closed nor have its cancellation
+        # absorbed by the step-down's own awaits (Coordinator.close() awaits its cancelled
+        # sweeper and suppresses CancelledError, which swallowed stop()'s cancellation here and
+        # kept the loop campaigning, so stop() never returned while Redis was unreachable).
+        self._deposing = asyncio.ensure_future(self._on_deposed(reason))
+        await asyncio.shield(self._deposing)
+        self._deposing = None
 
     def _trusted(self) -> float:
         return self._config.ttl.total_seconds() * (1.0 - self._config.drift_margin)

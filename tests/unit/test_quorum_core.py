@@ -59,6 +59,14 @@ def form_now(state: CoreState, now: float) -> Formation:
     return formation
 
 
+def form_on_fast_path(state: CoreState, now: float) -> Formation:
+    """Decide at `now`, require a formation on the fast path, and apply it."""
+    decision, reason = decide(now, state, CONFIG)
+    assert decision.form, reason
+    assert decision.path == "fast"
+    return form_now(state, now)
+
+
 def members(formation: Formation) -> list[str]:
     return [m.replica_id for m in formation.quorum.members]
 
@@ -133,10 +141,7 @@ def test_fast_path_does_not_wait_for_a_registered_newcomer() -> None:
     register(state, "c", 1.0)  # joined, live, still loading: has not asked
     ask(state, "a", 1.1, step=1)
     ask(state, "b", 1.1, step=1)
-    decision, reason = decide(1.1, state, CONFIG)
-    assert decision.form, reason
-    assert decision.path == "fast"
-    formation = form_now(state, 1.1)
+    formation = form_on_fast_path(state, 1.1)
     assert members(formation) == ["a", "b"]
     assert formation.quorum.quorum_id == 1
 
@@ -149,10 +154,7 @@ def test_fast_path_takes_waiting_newcomers_and_bumps_the_epoch() -> None:
     ask(state, "a", 1.1, step=5)
     assert not decide(1.1, state, CONFIG)[0].form  # b, a previous member, has not asked
     ask(state, "b", 1.2, step=5)
-    decision, _ = decide(1.2, state, CONFIG)
-    assert decision.form
-    assert decision.path == "fast"
-    formation = form_now(state, 1.2)
+    formation = form_on_fast_path(state, 1.2)
     assert members(formation) == ["a", "b", "c"]
     assert formation.quorum.quorum_id == 2
     assert formation.quorum.healthy == ("a", "b")
@@ -267,10 +269,7 @@ def test_shrink_after_eviction_forms_at_once_with_a_new_epoch() -> None:
     register(state, "d", 0.5)  # a live newcomer that has not asked must not delay survivors
     ask(state, "a", 0.6, step=1)
     ask(state, "b", 0.6, step=1)
-    decision, reason = decide(0.6, state, CONFIG)
-    assert decision.form, reason
-    assert decision.path == "fast"
-    formation = form_now(state, 0.6)
+    formation = form_on_fast_path(state, 0.6)
     assert members(formation) == ["a", "b"]
     assert formation.quorum.quorum_id == 2
 
