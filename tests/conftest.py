@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from collections.abc import Iterator
@@ -9,6 +10,20 @@ from collections.abc import Iterator
 import pytest
 
 from tests.redis_support import RedisServer, redis_binary
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """The root logger is shared by the whole session: a test that runs a CLI or bench `main()`
+    in process sets its level and adds its handler (a bench sets ERROR), which would silence the
+    warnings a later test listens for. Each test's changes go with it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture

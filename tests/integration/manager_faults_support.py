@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -206,6 +206,12 @@ class Runner:
         thread.start()
         return thread
 
+    def run(self, bodies: Mapping[str, Callable[[], None]]) -> None:
+        """Starts every body under its name, then joins them all, checked."""
+        for name, body in bodies.items():
+            self.start(name, body)
+        self.join()
+
     def join(self, timeout_s: float = JOIN_S, *, check: bool = True) -> None:
         """Waits for every body; with `check`, re-raises the first error and fails if one is
         still running (without: a cleanup after the test already failed)."""
@@ -314,9 +320,7 @@ def kill_and_rejoin(
             r0.train_until(8)
 
         try:
-            for name, body in (("r0", survivor), ("r1", victim), ("r1'", comeback)):
-                runner.start(name, body)
-            runner.join()
+            runner.run({"r0": survivor, "r1": victim, "r1'": comeback})
             assert runner.killed == ["r1"]
             assert r0.manager.fingerprint() == new[0].manager.fingerprint()
         finally:

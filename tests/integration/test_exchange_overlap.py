@@ -4,8 +4,6 @@ loopback), one process per rank."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,12 +14,9 @@ import torch.multiprocessing as mp
 from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.ftar import FtarRing
 from fthsdp.worker.replica_group import ReplicaGroup
-from tests.integration.test_ftar_support import FAST
+from tests.integration.exchange_support import RANKS, REPLICAS, TIMEOUT, rank_with_ring
 
-REPLICAS = 2
-RANKS = 2
 STEPS = 4
-TIMEOUT = 20.0
 
 
 def _model() -> torch.nn.Module:
@@ -33,16 +28,6 @@ def _model() -> torch.nn.Module:
         torch.nn.Tanh(),
         torch.nn.Linear(16, 3),
     )
-
-
-def _peer_address(tmp: Path, replica: int, rank: int, timeout: float = TIMEOUT) -> str:
-    path = tmp / f"addr-r{replica}-k{rank}"
-    deadline = time.monotonic() + timeout
-    while not path.exists() or not path.read_text():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no address from replica {replica} rank {rank}")
-        time.sleep(0.01)
-    return path.read_text()
 
 
 def _train(
@@ -100,26 +85,13 @@ def _train(
 
 
 def _worker(index: int, tmp: Path) -> None:
-    replica, rank = divmod(index, RANKS)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rdzv-r{replica}", rank=rank, world_size=RANKS
-    )
-    group = ReplicaGroup(dist.group.WORLD, rank, RANKS)
-    ring = FtarRing(replace(FAST, chunk_bytes=4096))
-    try:
-        (tmp / f"addr-r{replica}-k{rank}.tmp").write_text(ring.address)
-        (tmp / f"addr-r{replica}-k{rank}.tmp").rename(tmp / f"addr-r{replica}-k{rank}")
-        peers = [_peer_address(tmp, r, rank) for r in range(REPLICAS)]
-        ring.reconfigure(peers, replica, 1)
+    with rank_with_ring(index, tmp) as (replica, rank, group, ring):
         plain = _train(ring, group, replica, overlap=False)
         overlapped = _train(ring, group, replica, overlap=True)
         for a, b in zip(plain, overlapped, strict=True):
             assert torch.equal(a, b)
         assert any(not torch.equal(a, b) for a, b in zip(plain, _model().parameters(), strict=True))
         torch.save(overlapped, tmp / f"params-r{replica}-k{rank}.pt")
-    finally:
-        ring.close()
-        group.close()
 
 
 def test_overlapped_exchange_matches_exchange_after_backward(tmp_path: Path) -> None:

@@ -5,18 +5,14 @@ inside a replica, real FTAR rings over loopback), one process per rank."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fthsdp.worker.exchange import GradientExchange
-from fthsdp.worker.ftar import FtarRing
-from fthsdp.worker.replica_group import ReplicaGroup
-from tests.integration.test_exchange_overlap import RANKS, REPLICAS, TIMEOUT, _model, _peer_address
-from tests.integration.test_ftar_support import FAST
+from tests.integration.exchange_support import RANKS, REPLICAS, TIMEOUT, rank_with_ring
+from tests.integration.test_exchange_overlap import _model
 
 
 def _grads(replica: int, rank: int) -> list[torch.Tensor]:
@@ -29,16 +25,7 @@ def _grads(replica: int, rank: int) -> list[torch.Tensor]:
 
 
 def _worker(index: int, tmp: Path) -> None:
-    replica, rank = divmod(index, RANKS)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rdzv-r{replica}", rank=rank, world_size=RANKS
-    )
-    group = ReplicaGroup(dist.group.WORLD, rank, RANKS)
-    ring = FtarRing(replace(FAST, chunk_bytes=4096))
-    try:
-        (tmp / f"addr-r{replica}-k{rank}.tmp").write_text(ring.address)
-        (tmp / f"addr-r{replica}-k{rank}.tmp").rename(tmp / f"addr-r{replica}-k{rank}")
-        ring.reconfigure([_peer_address(tmp, r, rank) for r in range(REPLICAS)], replica, 1)
+    with rank_with_ring(index, tmp) as (replica, rank, group, ring):
         model = _model()
         exchange = GradientExchange(list(model.parameters()), group, bucket_bytes=1024)
         local = _grads(replica, rank)
@@ -64,9 +51,6 @@ def _worker(index: int, tmp: Path) -> None:
             expected = sum(g[i] for g in every) / (REPLICAS * RANKS)
             assert torch.allclose(p.grad, expected, rtol=1e-5, atol=1e-7)
         torch.save([p.grad for p in model.parameters()], tmp / f"grads-{index}.pt")
-    finally:
-        ring.close()
-        group.close()
 
 
 def test_fused_vote_gates_and_gathers(tmp_path: Path) -> None:

@@ -9,12 +9,10 @@ exact, and the two splits must agree bit for bit, not merely closely."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fthsdp.services.quorum.client import MicroSteps
@@ -22,8 +20,7 @@ from fthsdp.worker.exchange import GradientExchange
 from fthsdp.worker.ftar import FtarRing
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.replica_group import ReplicaGroup
-from tests.integration.test_exchange_overlap import RANKS, REPLICAS, TIMEOUT, _peer_address
-from tests.integration.test_ftar_support import FAST
+from tests.integration.exchange_support import RANKS, REPLICAS, TIMEOUT, rank_with_ring
 
 MICRO_BATCH = 2
 SPLITS = {"even": (2, 2), "uneven": (3, 1)}
@@ -76,21 +73,9 @@ def _step(
 
 
 def _worker(index: int, tmp: Path) -> None:
-    replica, rank = divmod(index, RANKS)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rdzv-r{replica}", rank=rank, world_size=RANKS
-    )
-    group = ReplicaGroup(dist.group.WORLD, rank, RANKS)
-    ring = FtarRing(replace(FAST, chunk_bytes=4096))
-    try:
-        (tmp / f"addr-r{replica}-k{rank}.tmp").write_text(ring.address)
-        (tmp / f"addr-r{replica}-k{rank}.tmp").rename(tmp / f"addr-r{replica}-k{rank}")
-        ring.reconfigure([_peer_address(tmp, r, rank) for r in range(REPLICAS)], replica, 1)
+    with rank_with_ring(index, tmp) as (replica, rank, group, ring):
         grads = {split: _step(group, ring, replica, rank, split) for split in SPLITS}
         torch.save(grads, tmp / f"grads-{index}.pt")
-    finally:
-        ring.close()
-        group.close()
 
 
 def _sum_of_per_sample_gradients_over_the_global_batch() -> torch.Tensor:

@@ -89,9 +89,7 @@ def test_a_killed_peer_rejoins_as_a_new_incarnation_and_no_sample_is_lost_or_cou
             r0.train_until(7)
 
         try:
-            for name, body in (("r0", survivor), ("r1", first_r1), ("r1'", second_r1)):
-                runner.start(name, body)
-            runner.join()
+            runner.run({"r0": survivor, "r1": first_r1, "r1'": second_r1})
             (r1b,) = new
             assert r0.manager.fingerprint() == r1b.manager.fingerprint()
         finally:
@@ -115,9 +113,7 @@ def test_a_killed_peer_rejoins_as_a_new_incarnation_and_no_sample_is_lost_or_cou
         (5, q1 + 2, ("r0", "r1"), False, 1),
         (6, q1 + 2, ("r0", "r1"), False, 1),
     ]
-    expected = reference([BOTH, BOTH, R0, R0, R0, BOTH, BOTH])
-    assert_bitwise_equal(r0.params(), expected)
-    assert_bitwise_equal(r1b.params(), expected)
+    _assert_end_as_replay([BOTH, BOTH, R0, R0, R0, BOTH, BOTH], r0, r1b)
     assert resumed_at == [2]
     for r in (r0, r1b):
         assert r.manager.positions.as_dict() == {"r0": 7, "r1": 4}
@@ -208,9 +204,7 @@ def test_steps_go_on_without_the_quorum_service_and_resume_on_a_new_quorum_when_
             r.train_until(r.manager.step + 2)
 
         try:
-            runner.start("r0", lambda: body(r0))
-            runner.start("r1", lambda: body(r1))
-            runner.join()
+            runner.run({"r0": lambda: body(r0), "r1": lambda: body(r1)})
             assert r0.manager.fingerprint() == r1.manager.fingerprint()
         finally:
             r0.manager.shutdown()
@@ -314,9 +308,7 @@ def test_a_peer_killed_as_its_exchange_starts_leaves_no_torn_step_and_catches_up
     ]
     assert r1.committed() == r0.committed()[:2]
     assert r1b.committed() == [(5, q + 2, ("r0",), True, 1), *r0.committed()[6:]]
-    expected = reference([BOTH, BOTH, R0, R0, R0, R0, BOTH, BOTH])
-    assert_bitwise_equal(r0.params(), expected)
-    assert_bitwise_equal(r1b.params(), expected)
+    _assert_end_as_replay([BOTH, BOTH, R0, R0, R0, R0, BOTH, BOTH], r0, r1b)
     assert resumed_at == 2
     assert r1b.manager.positions.as_dict() == r0.manager.positions.as_dict()
     assert r0.manager.positions.as_dict() == {"r0": 8, "r1": 4}
@@ -343,9 +335,7 @@ def test_a_peer_killed_after_its_vote_counts_its_contribution_once(
     ]
     assert r1.committed() == r0.committed()[:2]
     assert r1b.committed() == [(5, q + 2, ("r0",), True, 1), *r0.committed()[6:]]
-    expected = reference([BOTH, BOTH, BOTH, R0, R0, R0, BOTH, BOTH])
-    assert_bitwise_equal(r0.params(), expected)
-    assert_bitwise_equal(r1b.params(), expected)
+    _assert_end_as_replay([BOTH, BOTH, BOTH, R0, R0, R0, BOTH, BOTH], r0, r1b)
     assert resumed_at == 3
     assert r1b.manager.positions.as_dict() == r0.manager.positions.as_dict()
     assert r0.manager.positions.as_dict() == {"r0": 8, "r1": 5}
@@ -373,12 +363,17 @@ def test_a_peer_killed_while_catching_up_does_not_stop_the_source_committing(
     ]
     assert r1.committed() == []
     assert r1b.committed() == [(5, q + 3, ("r0",), True, 1), *r0.committed()[6:]]
-    expected = reference([R0, R0, R0, R0, R0, R0, BOTH, BOTH])
-    assert_bitwise_equal(r0.params(), expected)
-    assert_bitwise_equal(r1b.params(), expected)
+    _assert_end_as_replay([R0, R0, R0, R0, R0, R0, BOTH, BOTH], r0, r1b)
     assert resumed_at == 0
     assert r1b.manager.positions.as_dict() == r0.manager.positions.as_dict()
     assert r0.manager.positions.as_dict() == {"r0": 8, "r1": 2}
+
+
+def _assert_end_as_replay(schedule: Sequence[Sequence[int]], *replicas: Replica) -> None:
+    """Each replica's parameters are bitwise the replay of `schedule` from the same start (I1)."""
+    expected = reference(schedule)
+    for r in replicas:
+        assert_bitwise_equal(r.params(), expected)
 
 
 def _assert_survived_its_source(r1: Replica, r0: Replica, r0b: Replica, resumed_at: int) -> None:
@@ -394,9 +389,7 @@ def _assert_survived_its_source(r1: Replica, r0: Replica, r0b: Replica, resumed_
         (5, q + 3, ("r0", "r1"), False, 1),
     ]
     assert r0b.committed() == [(3, q + 3, ("r1",), True, 1), *r1.committed()[4:]]
-    expected = reference([R1, R1, R1, R1, BOTH, BOTH])
-    assert_bitwise_equal(r1.params(), expected)
-    assert_bitwise_equal(r0b.params(), expected)
+    _assert_end_as_replay([R1, R1, R1, R1, BOTH, BOTH], r1, r0b)
     # r0's steps 0-2 died with it: the new r0 retrains its shard from 0, as the model says.
     assert resumed_at == 0
     assert r0b.manager.positions.as_dict() == r1.manager.positions.as_dict()
@@ -581,10 +574,7 @@ def test_a_new_incarnation_never_serves_a_dead_ones_snapshot_of_another_history(
             made["r1'"].train_until(6)
 
         try:
-            bodies = {"r0": r0_first, "r1": r1_first, "r0'": r0_second, "r1'": r1_second}
-            for name, body in bodies.items():
-                runner.start(name, body)
-            runner.join()
+            runner.run({"r0": r0_first, "r1": r1_first, "r0'": r0_second, "r1'": r1_second})
             assert runner.killed == ["r0"]
             r0b, r1b = made["r0'"], made["r1'"]
             q = r0b.outcomes[0].quorum_id
@@ -598,9 +588,7 @@ def test_a_new_incarnation_never_serves_a_dead_ones_snapshot_of_another_history(
             assert r1b.committed() == [(3, q + 1, ("r0",), True, 1), *r0b.committed()[2:]]
             assert r1b.manager.positions.as_dict() == r0b.manager.positions.as_dict()
             assert r0b.manager.fingerprint() == r1b.manager.fingerprint()
-            expected = reference([R1, R1, R1, R0, BOTH, BOTH])
-            assert_bitwise_equal(r0b.params(), expected)
-            assert_bitwise_equal(r1b.params(), expected)
+            _assert_end_as_replay([R1, R1, R1, R0, BOTH, BOTH], r0b, r1b)
             assert r0b.manager.positions.as_dict() == {"r0": 3, "r1": 5}
         finally:
             for name in ("r0'", "r1'"):

@@ -8,25 +8,12 @@ import argparse
 import io
 import json
 import logging
-from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
 
 from fthsdp.services.common import logs
 from fthsdp.services.common.cli import add_flags, setup_logging
-
-
-@pytest.fixture(autouse=True)
-def _root_restored() -> Iterator[None]:
-    """Each test's handler goes again: the root logger is shared by the whole session."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in root.handlers:
-        if handler not in handlers:
-            root.removeHandler(handler)
-    root.setLevel(level)
 
 
 def _lines(out: io.StringIO) -> list[str]:
