@@ -1,9 +1,11 @@
 """The node agent: the first of the two heartbeat levels.
 
 Every rank on a host reports to the agent on 127.0.0.1. The agent runs `FailStopDetector` over
-its ranks' heartbeats every `check_interval`; a rank silent for `heartbeat_timeout` is reported to
-the quorum service at once (so the survivors' next quorum leaves its replica out: kill -> new
-quorum within about heartbeat_timeout + check_interval + one RPC), and the incident goes to the
+its ranks' heartbeats every `check_interval` and watches their processes (`ExitWatch`); a rank
+whose process exited, or silent for `heartbeat_timeout`, is reported to the quorum service at
+once (so the survivors' next quorum leaves its replica out: kill -> new quorum within one RPC
+where the exit is seen, heartbeat_timeout + check_interval + one RPC for a silence, a hang or
+a process out of the agent's sight), and the incident goes to the
 central service with the outcome of the report. The agent follows the quorum service's event
 stream: its joins say which incarnation the silent rank belonged to, and the report (and the
 incident's evidence, for a central service that evicts when the report failed) names that one
@@ -49,6 +51,7 @@ from fthsdp.services.health.client_codec import (
 )
 from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.failstop import FailStopDetector
+from fthsdp.services.health.exit_watch import ExitWatch
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.teardown import kill
@@ -89,6 +92,8 @@ class NodeAgent:
         self._detector = FailStopDetector(config.heartbeat_timeout.total_seconds())
         self._pids: dict[RankId, ProcessRef] = {}
         """The process each local rank registered in its latest heartbeat."""
+        self._exits = ExitWatch(self._process_exited)
+        """Those processes' exits, seen as they happen (where the platform allows)."""
         self._since: dict[RankId, float] = {}
         """When each local rank's current process's first beat arrived (this agent's clock:
         arrival order is the real order, where beat times rebased per batch may swap)."""
@@ -127,10 +132,12 @@ class NodeAgent:
                 ref = ProcessRef(hb.pid, hb.pid_start)
                 if self._pids.get(hb.rank) != ref:
                     self._since[hb.rank] = arrived
+                    self._exits.watch(hb.rank, ref)
                 self._pids[hb.rank] = ref
             self._heard[hb.rank] = arrived
         for rank in batch.left:
             self._detector.leave(rank)
+            self._exits.forget(rank)
             self._pids.pop(rank, None)
             self._since.pop(rank, None)
             self._heard.pop(rank, None)
@@ -180,6 +187,7 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Stops the loops, lets pending quorum reports finish, flushes once, closes."""
+        self._exits.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -210,16 +218,28 @@ class NodeAgent:
         """One fail-stop check; each new incident starts its quorum report at once."""
         found = self._detector.check(self._clock())
         for incident in found:
-            log.warning("incident: %s", incident.summary, extra={"replica_id": incident.replica_id})
-            self._metrics.incidents.labels(kind=incident.kind.value).inc()
-            heard = None
-            if incident.rank is not None:
-                heard = self._heard.get(RankId(replica_id=incident.replica_id, rank=incident.rank))
-            task = asyncio.create_task(self._report(incident, heard))
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
+            self._start_report(incident)
         self._metrics.ranks.set(len(self._detector.tracked()))
         return found
+
+    def _process_exited(self, rank: RankId, ref: ProcessRef) -> None:
+        """A local rank's process ended: reported now, as its silence would be later. (Only
+        its current process is watched: a clean leave, a newer process and a teardown each
+        replace or end the watch first.)"""
+        incident = self._detector.exited(rank, self._clock(), pid=ref.pid)
+        if incident is not None:
+            self._start_report(incident)
+
+    def _start_report(self, incident: Incident) -> None:
+        """Logs and counts a fail-stop incident and starts its quorum report at once."""
+        log.warning("incident: %s", incident.summary, extra={"replica_id": incident.replica_id})
+        self._metrics.incidents.labels(kind=incident.kind.value).inc()
+        heard = None
+        if incident.rank is not None:
+            heard = self._heard.get(RankId(replica_id=incident.replica_id, rank=incident.rank))
+        task = asyncio.create_task(self._report(incident, heard))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     @property
     def _kills(self) -> bool:
@@ -316,6 +336,7 @@ class NodeAgent:
         refs = [self._pids.pop(r) for r in ranks if r in self._pids]
         for rank in ranks:
             self._detector.leave(rank)
+            self._exits.forget(rank)
             self._since.pop(rank, None)
             self._heard.pop(rank, None)
         if not ranks:

@@ -7,7 +7,7 @@ that is a few milliseconds, cheaper than keeping a deadline heap current on ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fthsdp.services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
 
@@ -74,6 +74,24 @@ class FailStopDetector:
     def tracked(self) -> list[RankId]:
         """Every tracked rank (beating or silent)."""
         return list(self._beats)
+
+    def exited(self, rank: RankId, now: float, *, pid: int) -> Incident | None:
+        """A fail-stop incident for `rank`, whose process `pid` was seen to exit at `now`
+        (before its silence would have told); None if the rank is not tracked or is reported
+        already. Reported once, as a silence is."""
+        beat = self._beats.get(rank)
+        if beat is None or beat.reported:
+            return None
+        beat.reported = True
+        incident = _incident(rank, beat, now)
+        return replace(
+            incident,
+            summary=(
+                f"rank {rank.rank} of replica {rank.replica_id} on {beat.host}: its process "
+                f"{pid} exited (last step {beat.step})"
+            ),
+            evidence=incident.evidence | {"exited_pid": pid},
+        )
 
     def check(self, now: float) -> list[Incident]:
         """New fail-stop incidents at `now`: ranks silent for more than the timeout, and with
