@@ -170,6 +170,7 @@ class CollectiveRecord(_message.Message):
     OP_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
+    INBOUND_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The communicator ("ftar:<quorum_id>:<rank>", "replica:<replica_id>", ...; <= 256 chars)."""
     seq: _builtins.int
@@ -184,6 +185,12 @@ class CollectiveRecord(_message.Message):
     def rank(self) -> Global___RankRef:
         """The rank."""
 
+    @_builtins.property
+    def inbound(self) -> Global___InboundLink:
+        """What the rank received from its ring's left neighbour in this collective (sent with the
+        exit of a ring exchange; absent otherwise). The health service judges links by it.
+        """
+
     def __init__(
         self,
         *,
@@ -193,16 +200,49 @@ class CollectiveRecord(_message.Message):
         op: _builtins.str = ...,
         started_at: _builtins.float = ...,
         ended_at: _builtins.float | None = ...,
+        inbound: Global___InboundLink | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_at", b"_ended_at", "ended_at", b"ended_at", "rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_at", b"_ended_at", "ended_at", b"ended_at", "inbound", b"inbound", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_at", b"_ended_at", "ended_at", b"ended_at", "group", b"group", "op", b"op", "rank", b"rank", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_at", b"_ended_at", "ended_at", b"ended_at", "group", b"group", "inbound", b"inbound", "op", b"op", "rank", b"rank", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ended_at: _TypeAlias = _typing.Literal["ended_at"]  # noqa: Y015
     _WhichOneofArgType__ended_at: _TypeAlias = _typing.Literal["_ended_at", b"_ended_at"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ended_at) -> _WhichOneofReturnType__ended_at | None: ...
 
 Global___CollectiveRecord: _TypeAlias = CollectiveRecord  # noqa: Y015
+
+@_typing.final
+class InboundLink(_message.Message):
+    """The bytes a rank received from one neighbour, and how long the link took to carry them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDER_REPLICA_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    BUSY_S_FIELD_NUMBER: _builtins.int
+    sender_replica: _builtins.str
+    """The replica the bytes came from (1..128 printable characters)."""
+    bytes: _builtins.int
+    """Bytes received (>= 0)."""
+    busy_s: _builtins.float
+    """Seconds the rank spent receiving payloads whose header had arrived: the link's share,
+    ~0 on a healthy link (0 <= busy_s <= 3600).
+    """
+    def __init__(
+        self,
+        *,
+        sender_replica: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        busy_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_s", b"busy_s", "bytes", b"bytes", "sender_replica", b"sender_replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InboundLink: _TypeAlias = InboundLink  # noqa: Y015
 
 @_typing.final
 class FingerprintRecord(_message.Message):

@@ -138,16 +138,7 @@ class Manager:
             rank=group.rank,
             fingerprint_every_steps=config.fingerprint_every_steps,
         )
-        self.metrics = (
-            WorkerMetrics(
-                host=config.metrics_host,
-                port=config.metrics_port,
-                replica_id=config.replica_id,
-                token=config.token,
-            )
-            if group.is_leader and config.metrics_port is not None
-            else None
-        )
+        self.metrics = WorkerMetrics.of_rank(config, is_leader=group.is_leader)
         """The leader's Prometheus metrics (`ManagerConfig.metrics_port`), else None."""
         self._link = QuorumLink(config, self._endpoints, self._stop) if group.is_leader else None
         self._plans = PlanChannel(config, group, self._link)
@@ -391,7 +382,7 @@ class Manager:
                 starting=lambda: self._faults.hit("exchange", self.step),
             )
         seconds["exchange"] += time.monotonic() - t0
-        self._telemetry.exchange_left()
+        self._telemetry.exchange_left(self._ring.stats(), plan.left_of(self.config.replica_id))
         fetched = None
         if fetch is not None and error is not None:
             # This attempt fails anyway: do not wait out the fetch (its sources may be on

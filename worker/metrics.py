@@ -11,12 +11,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from fthsdp.services.common.admin import AdminServer
 from fthsdp.services.common.tokens import Token
+from fthsdp.worker.config import ManagerConfig
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class WorkerMetrics:
     """The leader's step metrics and the HTTP endpoint that serves them."""
+
+    @classmethod
+    def of_rank(cls, config: ManagerConfig, *, is_leader: bool) -> WorkerMetrics | None:
+        """The replica leader's metrics when `config.metrics_port` asks for them; None on every
+        other rank."""
+        if not is_leader or config.metrics_port is None:
+            return None
+        return cls(
+            host=config.metrics_host,
+            port=config.metrics_port,
+            replica_id=config.replica_id,
+            token=config.token,
+        )
 
     def __init__(self, *, host: str, port: int, replica_id: str, token: str) -> None:
         self.registry = CollectorRegistry()

@@ -59,6 +59,12 @@ class StepPlan:
         """Micro-steps the healthy replicas train together in this step."""
         return self.micro_steps.total(self.healthy)
 
+    def left_of(self, replica_id: str) -> str | None:
+        """The replica whose rank sends to `replica_id`'s in this ring; None alone or absent."""
+        if len(self.ring_replicas) < 2 or replica_id not in self.ring_replicas:
+            return None
+        return self.ring_replicas[self.ring_replicas.index(replica_id) - 1]
+
     def gradient_scale(self) -> float:
         """What the exchanged gradient (summed over the healthy replicas, divided by their
         number) is multiplied by so that every micro-step weighs the same: 1.0 for an even

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health.client import TelemetryClient
+from fthsdp.services.health.client import InboundLink, TelemetryClient
+from fthsdp.worker.ftar import FtarStats
 from fthsdp.worker.step_account import StepCost
 
 
@@ -36,6 +37,8 @@ class StepTelemetry:
         )
         self._rank = rank
         self._every = fingerprint_every_steps
+        self._received = (0, 0.0)
+        """The ring's inbound counters (bytes, busy seconds) at the last exchange's exit."""
 
     @property
     def enabled(self) -> bool:
@@ -48,10 +51,24 @@ class StepTelemetry:
             group = f"ftar:{quorum_id}:{self._rank}"
             self._client.enter_collective(group, step, "allreduce", started_at=time.time())
 
-    def exchange_left(self) -> None:
-        """The exchange entered last returned (successfully or not)."""
-        if self._client is not None:
-            self._client.leave_collective(ended_at=time.time())
+    def exchange_left(self, ring: FtarStats, sender_replica: str | None) -> None:
+        """The exchange entered last returned (successfully or not). With it goes what the
+        ring received from `sender_replica` (its left neighbour) since the last exchange, and
+        how long that link took: the health service names a replica behind slow links by it."""
+        received = (ring.bytes_received, ring.receive_busy_s)
+        before, self._received = self._received, received
+        if self._client is None:
+            return
+        if received[0] < before[0]:  # a new ring object: its counters start from zero
+            before = (0, 0.0)
+        inbound = None
+        if sender_replica is not None and received[0] > before[0]:
+            inbound = InboundLink(
+                sender_replica=sender_replica,
+                bytes=received[0] - before[0],
+                busy_s=max(0.0, received[1] - before[1]),
+            )
+        self._client.leave_collective(ended_at=time.time(), inbound=inbound)
 
     def committed(
         self, step: int, cost: StepCost, *, quorum_id: int, digest: Callable[[], str]

@@ -42,7 +42,16 @@ from fthsdp.services.health.domain import (
     check_rank,
     check_text,
 )
-from fthsdp.services.health.telemetry import CollectiveRecord, Fingerprint, RankId, StepRecord
+from fthsdp.services.health.telemetry import (
+    CollectiveRecord,
+    Fingerprint,
+    InboundLink,
+    RankId,
+    StepRecord,
+)
+
+__all__ = ["InboundLink", "TelemetryClient", "TelemetryStats"]
+"""`InboundLink` too: what `leave_collective` takes (workers import clients only)."""
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +181,13 @@ class TelemetryClient:
             self._inflight = record
             self._inflight_sent = False
 
-    def leave_collective(self, *, ended_at: float) -> None:
-        """The collective entered last is over (successfully or not)."""
+    def leave_collective(self, *, ended_at: float, inbound: InboundLink | None = None) -> None:
+        """The collective entered last is over (successfully or not); `inbound`: what a ring
+        exchange received from the left neighbour, for the health service's link verdicts."""
         with self._lock:
             inflight, self._inflight = self._inflight, None
         if inflight is not None:
-            self._put(dataclasses.replace(inflight, ended_at=ended_at))
+            self._put(dataclasses.replace(inflight, ended_at=ended_at, inbound=inbound))
 
     def fingerprint(self, step: int, digest: str, *, quorum_id: int = 0) -> None:
         """A digest of the replica's parameters at `step`, committed in quorum `quorum_id`

@@ -18,6 +18,7 @@ from fthsdp.services.common.process_ref import MAX_PID
 from fthsdp.services.health.domain import (
     MAX_BATCH_RECORDS,
     MAX_EVIDENCE_BYTES,
+    MAX_LINK_BUSY_S,
     MAX_NODE_RANKS,
     MAX_OP_CHARS,
     MAX_PROCESS_CHARS,
@@ -35,6 +36,7 @@ from fthsdp.services.health.telemetry import (
     CollectiveRecord,
     Fingerprint,
     Heartbeat,
+    InboundLink,
     Incident,
     IncidentKind,
     RankId,
@@ -184,6 +186,17 @@ def _collective(msg: pb.CollectiveRecord, shift: float) -> CollectiveRecord:
         op=check_text(msg.op, "collective.op", MAX_OP_CHARS),
         started_at=started + shift,
         ended_at=ended,
+        inbound=_inbound(msg.inbound) if msg.HasField("inbound") else None,
+    )
+
+
+def _inbound(msg: pb.InboundLink) -> InboundLink:
+    if not 0.0 <= msg.busy_s <= MAX_LINK_BUSY_S:  # also false for NaN
+        raise InvalidReportError(f"inbound.busy_s must be in 0..{MAX_LINK_BUSY_S:g} seconds")
+    return InboundLink(
+        sender_replica=check_id(msg.sender_replica, "inbound.sender_replica"),
+        bytes=check_count(msg.bytes, "inbound.bytes"),
+        busy_s=msg.busy_s,
     )
 
 
@@ -318,6 +331,14 @@ def collective_to_pb(record: CollectiveRecord) -> pb.CollectiveRecord:
     )
     if record.ended_at is not None:
         msg.ended_at = record.ended_at
+    if record.inbound is not None:
+        msg.inbound.CopyFrom(
+            pb.InboundLink(
+                sender_replica=record.inbound.sender_replica,
+                bytes=record.inbound.bytes,
+                busy_s=record.inbound.busy_s,
+            )
+        )
     return msg
 
 

@@ -33,6 +33,7 @@ from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.detectors.failslow import FailSlowDetector, Judgement
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.detectors.hang import Hang, find_hangs
+from fthsdp.services.health.detectors.links import LinkDetector
 from fthsdp.services.health.detectors.sdc import SdcDetector
 from fthsdp.services.health.detectors.slowrank import SlowRankDetector
 from fthsdp.services.health.telemetry import (
@@ -123,6 +124,7 @@ class HealthCore:
         "_failstop",
         "_forgotten_ranks",
         "_hung_ranks",
+        "_links",
         "_named",
         "_next_sweep",
         "_replicas",
@@ -137,6 +139,7 @@ class HealthCore:
         self._collectives = CollectiveIndex(config)
         self._slowrank = SlowRankDetector(self._collectives, config)
         self._failslow = FailSlowDetector(config)
+        self._links = LinkDetector(config)
         self._sdc = SdcDetector(config)
         self._named: dict[tuple[str, int], set[RankId]] = {}
         """Open collectives (group, seq) whose culprit a past evaluation named -> the culprits
@@ -168,6 +171,7 @@ class HealthCore:
         self._collectives.config = config
         self._slowrank.reconfigure(config)
         self._failslow.reconfigure(config)
+        self._links.config = config
         self._sdc.config = config
 
     # ---- ingest ---------------------------------------------------------------------------
@@ -183,7 +187,8 @@ class HealthCore:
             self._restarted_at[hb.rank] = old_process_last_beat
             # Its first steps (catch-up, a cold allocator) are not its speed: warm up again.
             self._failslow.forget(hb.rank.replica_id)
-            self._failslow.hold(hb.at + self._config.fail_slow_settle_s)
+            self._links.forget(hb.rank.replica_id)
+            self._hold(hb.at + self._config.fail_slow_settle_s)
         replica = self._replica(hb.rank)
         replica.last_step = max(replica.last_step, hb.step)
         replica.last_seen = hb.at if replica.last_seen is None else max(replica.last_seen, hb.at)
@@ -215,6 +220,7 @@ class HealthCore:
             self._replica(record.rank)
             fresh.append(record)
         self._collectives.add(fresh)
+        self._links.add(fresh)
 
     def fingerprint(self, fp: Fingerprint) -> None:
         """A replica's parameter digest at a step."""
@@ -222,7 +228,7 @@ class HealthCore:
 
     def rank_left(self, rank: RankId) -> None:
         """A clean exit: the rank is forgotten by every detector; its silence is no incident."""
-        self._failslow.hold(self._clock + self._config.fail_slow_settle_s)
+        self._hold(self._clock + self._config.fail_slow_settle_s)
         self._failstop.leave(rank)
         self._collectives.leave(rank)
         self._restarted_at.pop(rank, None)
@@ -234,6 +240,7 @@ class HealthCore:
         if not replica.ranks:
             del self._replicas[rank.replica_id]
             self._failslow.forget(rank.replica_id)
+            self._links.forget(rank.replica_id)
 
     # ---- decisions ------------------------------------------------------------------------
 
@@ -247,6 +254,7 @@ class HealthCore:
             ("hang", self._new_hangs),
             ("slow-rank", self._slowrank.check),
             ("fail-slow", self._failslow.check),
+            ("slow-link", self._links.check),
             ("sdc", self._sdc.check),
         ):
             try:
@@ -256,7 +264,7 @@ class HealthCore:
         self._mark(found)
         if any(replica.down for replica in self._replicas.values()):
             # The job recovers: nobody's speed is their own until it settled (FailSlowDetector).
-            self._failslow.hold(now + self._config.fail_slow_settle_s)
+            self._hold(now + self._config.fail_slow_settle_s)
         found = [self._with_host(incident) for incident in found]
         try:  # after the verdicts: a rank they name keeps its host and marks
             self._prune(now)
@@ -281,6 +289,11 @@ class HealthCore:
         return [self._view(rid, rep) for rid, rep in sorted(self._replicas.items())]
 
     # ---- helpers --------------------------------------------------------------------------
+
+    def _hold(self, until: float) -> None:
+        """The job recovers until `until`: nobody's speed, nor any link's, is judged before."""
+        self._failslow.hold(until)
+        self._links.hold(until)
 
     def _replica(self, rank: RankId) -> _Replica:
         replica = self._replicas.get(rank.replica_id)
@@ -418,7 +431,8 @@ class HealthCore:
         """Whether a slow-rank, fail-slow or SDC condition on the replica is still unresolved."""
         active = {
             IncidentKind.SLOW_RANK: self._slowrank.suspects(replica_id),
-            IncidentKind.FAIL_SLOW: self._failslow.suspect(replica_id),
+            IncidentKind.FAIL_SLOW: self._failslow.suspect(replica_id)
+            or self._links.suspect(replica_id),
             IncidentKind.SDC: self._sdc.suspect(replica_id),
         }
         replica.suspect = {kind for kind in replica.suspect if active[kind]}

@@ -30,6 +30,8 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """gRPC receive limit: 10000 records of a few hundred bytes fit with room to spare."""
 MAX_CLOCK_VALUE = 1e11
 """Times are Unix seconds; anything beyond year 5138 is a unit mistake."""
+MAX_LINK_BUSY_S = 3600.0
+"""An exchange's link time: far past any exchange timeout."""
 
 
 class HealthError(common_errors.ServiceError):

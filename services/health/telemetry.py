@@ -63,6 +63,17 @@ class StepRecord:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class InboundLink:
+    """What a rank received from its ring's left neighbour during one exchange, and how long the
+    link took to carry it (the time the rank spent receiving payloads whose header had arrived:
+    ~0 on a healthy link, whatever the sender's speed)."""
+
+    sender_replica: str
+    bytes: int
+    busy_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveRecord:
     """One rank's part in one collective: when it entered and (if it did) left it.
 
@@ -79,6 +90,9 @@ class CollectiveRecord:
     started_at: float
     ended_at: float | None = None
     """None while the rank is still inside the collective."""
+    inbound: InboundLink | None = None
+    """On the exit of a ring exchange: what came in from the left neighbour (the link detector's
+    input)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -152,13 +152,13 @@ def test_a_leader_cut_from_redis_is_fenced_without_split_brain(
 def test_a_flapping_replica_link_loses_nothing_and_the_job_trains_on(
     netns_session: Mechanisms, tmp_path: Path
 ) -> None:
-    """I1 I2 I6. A replica's link goes down and up every 3 s: the others keep committing, the
-    flapping one restarts at most once per cycle (incarnations stay bounded), and every
-    replica ends identical."""
+    """I1 I2 I6. A replica's link goes down and up every 3 s for a minute: the others keep
+    committing, the flapping one restarts at most once per cycle (incarnations stay bounded),
+    and every replica ends identical."""
     require_mechanism("link down")
-    fault_s = 9.0
+    fault_s = 60.0
     run = run_netns_demo(
-        tmp_path / "run", "--kill-mode", "flap", "--kill-every", "6", "--duration", "22",
+        tmp_path / "run", "--kill-mode", "flap", "--kill-every", "6", "--duration", "82",
         "--fault-for", str(fault_s),
     )  # fmt: skip
     report = run.report
@@ -169,12 +169,20 @@ def test_a_flapping_replica_link_loses_nothing_and_the_job_trains_on(
     (inject,) = log.of_type(InjectEvent)
     starts = [e for e in log.replicas[victim] if isinstance(e, StartEvent) and e.t > inject.t]
     cycles = fault_s / 3.0
-    print(f"flap: {len(starts)} restart(s) of {victim} over {cycles:.0f} cycles")
-    assert len(starts) <= cycles + 1, starts
     during = [
         c for c in log.commits() if c.replica != victim and inject.t < c.t < inject.t + fault_s
     ]
-    assert len(during) >= 10, f"the others stopped training while {victim} flapped: {during}"
+    print(
+        f"flap: {len(starts)} restart(s) of {victim} over {cycles:.0f} cycles; the others "
+        f"committed {len(during)} times meanwhile"
+    )
+    # Bounded incarnations: a flapping link must not cost a restart every cycle (most cycles
+    # the victim is evicted and rejoins as it is; 2 restarts in 20 cycles were seen).
+    assert len(starts) <= cycles / 2, starts
+    # Each cycle is down half the time, and the survivors stall about one heartbeat timeout per
+    # eviction: they still train in every cycle, not only once the flapping ends (7,980 commits
+    # in the minute were seen, at a median step of 0.015 s).
+    assert len(during) >= 20 * cycles, f"the others stopped training while {victim} flapped"
     assert failure["time_to_healthy_s"] is not None
 
 
@@ -205,9 +213,8 @@ def test_a_slow_replica_link_slows_the_job_and_evicts_nobody(
 ) -> None:
     """I1 I2 I6. One replica's link is rate-limited (`tbf`): every replica's steps slow down
     (they meet in the ring), nothing is evicted under the fail-slow policy `report`, and the
-    health service should name the slow replica. That verdict is missing (issue 15, not fixed
-    here: the fail-slow detector compares each replica with its peers, and all of them slow
-    down alike); the test xfails on it and passes once the verdict comes."""
+    health service names the slow replica by its two ring links (`detectors.links`: the
+    step-time detector cannot, since every replica slows down alike)."""
     require_mechanism("tbf")
     fault_s = 8.0
     run = run_netns_demo(
@@ -228,12 +235,19 @@ def test_a_slow_replica_link_slows_the_job_and_evicts_nobody(
     print(f"slow-link: the others committed {before} steps before, {during} during")
     assert during < before / 2, "the rate limit did not slow the exchange"
     verdicts = [
-        i
-        for i in report["incidents"]
-        if i["kind"] == "fail_slow" and i["replica_id"] == victim and i["detected_at"] > inject.t
+        i for i in report["incidents"] if i["kind"] == "fail_slow" and i["detected_at"] > inject.t
     ]
-    if not verdicts:
-        pytest.xfail(f"known gap: no fail-slow verdict names {victim} behind its slow link")
+    # What the health service did say, and the quorums meanwhile (a recovery holds the link
+    # detector), so that a miss here can be told apart from a slow detector.
+    assert verdicts, (
+        f"no fail-slow verdict named {victim} behind its slow link; incidents: "
+        f"{report['incidents']}; quorums after the inject: "
+        f"{[(q.t - inject.t, q.members) for q in log.of_type(QuorumEvent) if q.t > inject.t]}"
+    )
+    print(f"slow-link: named after {verdicts[0]['detected_at'] - inject.t:.2f} s: "
+          f"{verdicts[0]['summary']}")  # fmt: skip
+    assert {i["replica_id"] for i in verdicts} == {victim}, verdicts
+    assert verdicts[0]["evidence"]["source"] == "links", verdicts[0]
 
 
 def test_ctrl_c_removes_every_namespace(netns_session: Mechanisms, tmp_path: Path) -> None:

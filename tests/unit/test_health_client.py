@@ -17,6 +17,7 @@ from fthsdp.services.health.client import TelemetryClient
 from fthsdp.services.health.client_codec import ReportBatch
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.server import IngestServer
+from fthsdp.services.health.telemetry import InboundLink
 
 
 class RecordingSink:
@@ -100,11 +101,16 @@ async def test_a_collective_over_between_flushes_is_one_record_an_open_one_is_an
     )
     for seq in range(50):
         quiet.enter_collective("ftar:1:0", seq, "allreduce", started_at=100.0 + seq)
-        quiet.leave_collective(ended_at=100.5 + seq)
+        inbound = InboundLink(sender_replica="r2", bytes=1000 + seq, busy_s=0.25)
+        quiet.leave_collective(ended_at=100.5 + seq, inbound=inbound if seq % 2 else None)
     await asyncio.to_thread(quiet.close)
     passages = [c for b in sink.batches for c in b.collectives]
     # (The service shifts times by the sender's clock offset: compare durations.)
     assert [c.seq for c in passages] == list(range(50))
+    assert [c.inbound for c in passages[:2]] == [
+        None,
+        InboundLink(sender_replica="r2", bytes=1001, busy_s=0.25),
+    ]
     assert all(c.ended_at is not None for c in passages)
     assert [round(c.ended_at - c.started_at, 3) for c in passages if c.ended_at] == [0.5] * 50
 

@@ -46,6 +46,7 @@ from fthsdp.worker.ftar.errors import (
 
 __all__ = [
     "FlatBuffer",
+    "Inbound",
     "Pipeline",
     "RecvJob",
     "RingPlan",
@@ -209,6 +210,19 @@ class RecvJob:
     stats: list[int] = field(default_factory=lambda: [0])
 
 
+@dataclass(slots=True)
+class Inbound:
+    """The receiver thread's counters: data-phase bytes (chunk tags + payload) from the left
+    neighbour, and the seconds it spent blocked on chunk payloads whose tag had arrived. A sender
+    writes a chunk's tag and payload in one call, so a payload is late only while the link
+    carries it: on a healthy link it is already buffered (~0 s); behind a slow link it is most of
+    the exchange. What the health service judges a link by (a slow sender or a slow reduce here
+    only delays the tags)."""
+
+    bytes: int = 0
+    busy_s: float = 0.0
+
+
 def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -266,7 +280,7 @@ def _start_sending(job: SendJob) -> None:
 
 
 def receiver_loop(
-    jobs: queue.SimpleQueue[RecvJob | None], events: queue.SimpleQueue[Event], counters: list[int]
+    jobs: queue.SimpleQueue[RecvJob | None], events: queue.SimpleQueue[Event], counters: Inbound
 ) -> None:
     """Receiver thread: runs one RecvJob at a time until ``None``."""
     while (job := jobs.get()) is not None:
@@ -278,7 +292,7 @@ def receiver_loop(
         events.put(Event("recv_done", job.xid, payload=error))
 
 
-def _receive(job: RecvJob, events: queue.SimpleQueue[Event], counters: list[int]) -> None:
+def _receive(job: RecvJob, events: queue.SimpleQueue[Event], counters: Inbound) -> None:
     sock, plan = job.sock, job.plan
     conn.set_kernel_timeout(sock, job.chunk_timeout)
     sock.sendall(job.ready)
@@ -300,11 +314,14 @@ def _receive(job: RecvJob, events: queue.SimpleQueue[Event], counters: list[int]
             if got is None:
                 raise FtarPeerError("exchange cancelled")
             slot = got
+            began = time.monotonic()
             wire.recv_exact(sock, job.slots[slot][: tag.nbytes])
         else:
+            began = time.monotonic()
             for dest in job.result.views(lo, hi):
                 wire.recv_exact(sock, dest)
-        counters[0] += tag.nbytes + wire.CHUNK_SIZE
+        counters.busy_s += time.monotonic() - began
+        counters.bytes += tag.nbytes + wire.CHUNK_SIZE
         events.put(Event("chunk", job.xid, tag.column, tag.step, slot))
 
 

@@ -16,9 +16,12 @@ joins (the retry happens on a new quorum, with a new epoch).
 
 ``reconfigure`` keeps a connection when the neighbour on that side is the same address and the
 socket is still healthy (steady state and a new epoch with unchanged neighbours reuse sockets; the
-epoch is then checked by every exchange header). Any failed exchange closes both connections at
-once, which also tells the neighbours fast, and latches the ring as broken until the next
-``reconfigure``. ``abort`` shuts the sockets down, which wakes every blocked thread immediately.
+epoch is then checked by every exchange header). The two ends decide alone, so a neighbour may
+drop a connection an instant after this rank kept it: this rank's first exchange then fails on
+it, and the neighbour, awaiting a fresh connection from its left, gives the epoch up as soon as
+its own right connection closes. Any failed exchange closes both connections at once, which
+also tells the neighbours fast, and latches the ring as broken until the next ``reconfigure``.
+``abort`` shuts the sockets down, which wakes every blocked thread immediately.
 
 Threads: the caller's (allreduce/reconfigure/abort), the acceptor, and the comm, sender and
 receiver threads of :mod:`worker.ftar.engine`. ``allreduce`` and ``reconfigure`` must not run
@@ -86,6 +89,9 @@ class FtarStats:
     """Data-phase bytes (chunk tags + payload) sent to the right neighbour."""
     bytes_received: int
     """Data-phase bytes (chunk tags + payload) received from the left neighbour."""
+    receive_busy_s: float
+    """Seconds spent receiving chunk payloads from the left neighbour (see `engine.Inbound`):
+    the link's share of the exchanges."""
 
 
 class FtarRing(Reconfigurer, RingSteps):
@@ -188,7 +194,8 @@ class FtarRing(Reconfigurer, RingSteps):
             exchanges_ok=c.ok,
             exchanges_failed=c.failed,
             bytes_sent=c.sent[0],
-            bytes_received=c.received[0],
+            bytes_received=c.received.bytes,
+            receive_busy_s=c.received.busy_s,
         )
 
     def reconfigure(self, peers: Sequence[str], my_index: int, epoch: int) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from fthsdp.worker.ftar import conn, wire
 from fthsdp.worker.ftar.config import FtarConfig
-from fthsdp.worker.ftar.engine import Event, RecvJob, SendItem
+from fthsdp.worker.ftar.engine import Event, Inbound, RecvJob, SendItem
 from fthsdp.worker.ftar.errors import FatalFtarError, RecoverableFtarError
 from fthsdp.worker.ftar.staging import CudaPools, HostBuffer, Stage
 from fthsdp.worker.ftar.work import FtarWork
@@ -72,7 +72,7 @@ class Counters:
     ok: int = 0
     failed: int = 0
     sent: list[int] = field(default_factory=lambda: [0])
-    received: list[int] = field(default_factory=lambda: [0])
+    received: Inbound = field(default_factory=Inbound)
 
 
 class RingState:

@@ -28,6 +28,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "fail_slow_settle_s": (0.0, 3600.0),
     "fail_slow_cusum_slack": (0.0, 100.0),
     "fail_slow_cusum_threshold": (1e-3, 1e6),
+    "slow_link_ratio": (1.5, 1e6),
+    "slow_link_min_busy_s": (0.0, 3600.0),
     "sdc_min_replicas": (3, 100_000),
     "sdc_window_steps": (1, 100_000),
 }
@@ -98,6 +100,11 @@ class DetectorConfig:
     fail_slow_policy: FailSlowPolicy = "report"
     """What a fail-slow incident asks for: "report" (tell the operator) or "evict" (the wire
     also reports the replica as failed to the quorum service). Written into the evidence."""
+    slow_link_ratio: float = 4.0
+    """A replica is behind slow links when both of its ring links (in and out) take this many
+    times the time per byte of the links that do not touch it (`detectors.links`)."""
+    slow_link_min_busy_s: float = 0.005
+    """...and at least this long per exchange (median): below it, a healthy link's jitter."""
     sdc_min_replicas: int = 3
     """Fingerprints of a step are judged only once this many replicas reported it: with two, a
     disagreement has no majority, so neither can be named."""
