@@ -16,6 +16,7 @@ It imports nothing outside the standard library, so it runs in every image."""
 from __future__ import annotations
 
 import argparse
+import http.client
 import sys
 import time
 import urllib.error
@@ -35,6 +36,8 @@ def http_ok(url: str, timeout_s: float) -> tuple[bool, str]:
         return False, f"{url}: HTTP {exc.code}"
     except (urllib.error.URLError, OSError) as exc:
         return False, f"{url}: {exc}"
+    except http.client.HTTPException as exc:  # something else holds the port: not ready either
+        return False, f"{url}: not an HTTP answer ({type(exc).__name__})"
     return 200 <= status < 300, f"{url}: HTTP {status}"
 
 

@@ -251,7 +251,11 @@ class LocalStack:
         """The health service's HTTP API and dashboard (empty without health)."""
 
     def __enter__(self) -> LocalStack:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # what did start goes, as it would on __exit__
+            raise
         return self
 
     def __exit__(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +47,26 @@ def test_http_probe_passes_on_2xx_and_fails_otherwise(server: str) -> None:
 def test_http_probe_fails_on_a_closed_port_and_refuses_other_schemes() -> None:
     assert not http_ok("http://127.0.0.1:1/livez", 1.0)[0]
     assert not http_ok("file:///etc/passwd", 1.0)[0]
+
+
+def test_http_probe_fails_when_something_else_answers_on_the_port() -> None:
+    """A server of another protocol on the port (a gRPC server that took a port picked for an
+    HTTP one) is "not ready", not an exception out of the probe."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer_in_binary() -> None:
+            peer, _ = listener.accept()
+            with peer:
+                peer.recv(1024)
+                peer.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00\x00\x03\x7f\xff\n")
+
+        thread = threading.Thread(target=answer_in_binary, daemon=True)
+        thread.start()
+        ok, reason = http_ok(f"http://127.0.0.1:{listener.getsockname()[1]}/readyz", 5.0)
+        thread.join(5)
+    assert not ok and "not an HTTP answer" in reason
 
 
 def test_file_probe_passes_only_while_the_file_is_fresh(tmp_path: Path) -> None:
