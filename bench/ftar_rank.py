@@ -144,10 +144,18 @@ def worker(args: argparse.Namespace) -> None:
     """Run one rank; rank 0 prints ``RESULT <json>``. Exits the process (skips gloo teardown)."""
     torch.set_num_threads(args.threads)
     n, rank = args.world, args.rank
-    store = TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=120))
+    # On loopback the launcher hosts the store; across hosts rank 0 does (--store-master).
+    store = TCPStore(
+        args.store_host,
+        args.store_port,
+        is_master=args.store_master,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=120),
+    )
     rings = {}  # one ring per wire compression, all measured in this run
     for comp in args.wire_compression.split(","):
         cfg = FtarConfig(
+            bind_host=args.bind_host,
             chunk_bytes=args.chunk_bytes,
             chunks_in_flight=args.chunks_in_flight,
             socket_buffer_bytes=args.socket_buffer_bytes,
@@ -158,9 +166,10 @@ def worker(args: argparse.Namespace) -> None:
         rings[comp] = FtarRing(cfg)
         store.set(f"ftar/{comp}/{rank}", rings[comp].address)
     dist.init_process_group("gloo", store=PrefixStore("gloo", store), rank=rank, world_size=n)
+    peers = {}  # read now: a store hosted by rank 0 is gone once rank 0 has printed
     for comp, ring in rings.items():
-        peers = [store.get(f"ftar/{comp}/{i}").decode() for i in range(n)]
-        ring.reconfigure(peers, rank, 1)
+        peers[comp] = [store.get(f"ftar/{comp}/{i}").decode() for i in range(n)]
+        ring.reconfigure(peers[comp], rank, 1)
     rows = [
         _measure(ring, n, int(s), d, args)
         for d in args.dtypes.split(",")
@@ -168,8 +177,7 @@ def worker(args: argparse.Namespace) -> None:
         for s in args.sizes_mb.split(",")
     ]
     first = next(iter(rings))
-    peers = [store.get(f"ftar/{first}/{i}").decode() for i in range(n)]
-    loss = None if args.no_peer_loss else _peer_loss(rings[first], peers, rank, n)
+    loss = None if args.no_peer_loss else _peer_loss(rings[first], peers[first], rank, n)
     if rank == 0:
         print("RESULT " + json.dumps({"rows": rows, "peer_loss": loss}), flush=True)
     sys.stdout.flush()

@@ -15,12 +15,13 @@ Phases, each bounded by a deadline so the harness always finishes and says what 
    client-side (last request sent -> last answer), the service's CPU seconds per round (from
    /proc), the bytes of the answers (QuorumResponse sizes as received).
 3. per failure (`--failures`), a timestamp for each stage from the rank's death: its node agent
-   (the real NodeAgent) finds it silent and the service evicts the replica; every surviving rank
-   hears of it (its leader's Watch stream, then the relay tree) and aborts its exchange; every
-   surviving replica votes no; every surviving leader holds a quorum without it, then the
-   quorum of all survivors; every surviving rank holds its new ring neighbours (checked against
-   the expected ring). A stage that does not complete within `--stage-timeout-s` is reported
-   as "done / total after N s".
+   (the real NodeAgent, its ranks real processes) sees the process exit (`--death crash`, a
+   SIGKILL) or finds the rank silent (`--death hang`) and the service evicts the replica; every
+   surviving rank hears of it (its leader's Watch stream, then the relay tree) and aborts its
+   exchange; every surviving replica votes no; every surviving leader holds a quorum without
+   it, then the quorum of all survivors; every surviving rank holds its new ring neighbours
+   (checked against the expected ring). A stage that does not complete within
+   `--stage-timeout-s` is reported as "done / total after N s".
 4. health ingest: every node agent forwards its node state every 100 ms for `--ingest-s`:
    records/s needed (ranks x 5 beats/s; agents x 10 forwards/s) vs acknowledged, and the central
    service's CPU per forward (its idle cost subtracted).
@@ -255,6 +256,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument("--shape", required=True, help="REPLICASxRANKS, e.g. 12x8192 or 1536x64")
     p.add_argument("--hosts-per", type=int, default=8, help="ranks per host (default 8)")
     p.add_argument("--failures", type=int, default=1, help="ranks killed, one per replica (1)")
+    p.add_argument(
+        "--death", choices=("crash", "hang"), default="crash",
+        help="crash: the rank's process is SIGKILLed, its agent sees it exit (default); hang: "
+        "it only stops beating, and the agent's heartbeat timeout runs in full",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=10, help="steady quorum rounds (default 10)")
     p.add_argument("--clients", type=int, default=2, help="client processes (default 2)")
     p.add_argument("--json", type=Path, help="write the result document here")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -18,6 +19,7 @@ import grpc
 
 from fthsdp.bench.scale_model import percentile
 from fthsdp.protos import quorum_pb2 as qpb
+from fthsdp.services.common.process_ref import ProcessRef, process_start
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.client_codec import (
@@ -247,9 +249,11 @@ class TimedReporter(QuorumReporter):
 
 
 class VictimHost:
-    """A host with a rank that will die: the real `NodeAgent` (fail-stop detection, report to the
-    quorum service, teardown, forwarding to the central service), fed by its ranks' heartbeats
-    every `beat_s` in-process (each rank's TelemetryClient beating to its local agent). Once the
+    """A host with a rank that will die: the real `NodeAgent` (fail-stop detection, the exit
+    watch, report to the quorum service, teardown, forwarding to the central service), fed by
+    its ranks' heartbeats every `beat_s` in-process (each rank's TelemetryClient beating to its
+    local agent). Each rank has a real process (a sleep) that its beats name, so a death is a
+    SIGKILL the agent sees as the rank's own would be, or, with `hang`, a silence. Once the
     agent has reported the death, its replica is torn down: the host's ranks beat no more."""
 
     def __init__(
@@ -262,6 +266,7 @@ class VictimHost:
         central: str,
         token: str,
         beat_s: float,
+        hang: bool = False,
     ) -> None:
         secret = Token(token)
         config = HealthConfig(
@@ -271,12 +276,18 @@ class VictimHost:
         self.agent = NodeAgent(config, secret, HealthMetrics(), quorum=self.reporter)
         self.host, self.replica_id, self.ranks = host, replica_id, list(ranks)
         self._beat_s = beat_s
+        self._hang = hang
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._refs: dict[int, ProcessRef] = {}
         self._dead: set[int] = set()
         self._dying: tuple[int, asyncio.Future[float]] | None = None
         self._task: asyncio.Task[None] | None = None
         self.died_at = float("inf")
 
     async def start(self) -> None:
+        for rank in self.ranks:
+            proc = self._procs[rank] = subprocess.Popen(["sleep", "86400"])
+            self._refs[rank] = ProcessRef(proc.pid, process_start(proc.pid) or 0)
         await self.agent.start()
         self._task = asyncio.create_task(self._beat())
 
@@ -285,10 +296,14 @@ class VictimHost:
             self._task.cancel()
         await self.agent.stop()
         await self.reporter.close()
+        for proc in self._procs.values():
+            proc.kill()
+            proc.wait()
 
     async def kill(self, rank: int) -> float:
-        """Rank `rank` beats once more and dies right after; returns that moment (monotonic),
-        so the agent's silence timeout runs in full from the death."""
+        """Rank `rank` beats once more and dies right after (SIGKILL to its process; with
+        `hang`, it only stops beating, so the agent's silence timeout runs in full); returns
+        that moment (monotonic)."""
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._dying = (rank, future)
         return await future
@@ -299,11 +314,14 @@ class VictimHost:
             for rank in self.ranks:
                 if rank in self._dead or torn_down:
                     continue
+                ref = self._refs[rank]
                 beat = Heartbeat(
                     rank=RankId(replica_id=self.replica_id, rank=rank),
                     host=self.host,
                     step=0,
                     at=time.time(),
+                    pid=ref.pid,
+                    pid_start=ref.start,
                 )
                 await self.agent.ingest(
                     ReportBatch(source=f"rank:{rank}", host=self.host, heartbeats=(beat,))
@@ -311,6 +329,8 @@ class VictimHost:
             dying, self._dying = self._dying, None
             if dying is not None:
                 self._dead.add(dying[0])
+                if not self._hang:
+                    self._procs[dying[0]].kill()
                 self.died_at = time.monotonic()
                 dying[1].set_result(self.died_at)
             await asyncio.sleep(self._beat_s)

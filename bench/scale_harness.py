@@ -115,6 +115,7 @@ class Harness:
             central=self.central_address,
             token=self.token,
             beat_s=0.2,
+            hang=self.args.death == "hang",
         )
         await host.start()
         return host

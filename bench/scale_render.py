@@ -119,7 +119,7 @@ def _failures(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         for n, f in enumerate(failures, start=1)
     )
     lines = ["", f"{'per failure: s after the rank died':<{W}}{head}   target"]
-    row = f"{'  agent found it silent (report sent)':<{W}}"
+    row = f"{'  agent found it dead (report sent)':<{W}}"
     lines.append(row + "".join(f"{_f(f['detected_s']):>{col}}" for f in failures))
     for k, name in enumerate(STAGE_LABELS):
         cells = "".join(f"{_stage_cell(f['stages'][k]):>{col}}" for f in failures)

@@ -377,7 +377,7 @@ def test_the_table_shows_each_stage_the_cap_and_what_fell_short() -> None:
         in lines
     )
     row = {line[:46].strip(): line[46:].split() for line in lines if line.startswith("  ")}
-    assert row["agent found it silent (report sent)"] == ["0.710"]
+    assert row["agent found it dead (report sent)"] == ["0.710"]
     assert row["service evicts the replica"] == ["0.752"]
     assert row["every survivor has a quorum without it"] == ["12.800"]
     assert row["every survivor holds the full new quorum"] == ["13.000"]

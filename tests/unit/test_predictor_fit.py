@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from fthsdp.bench.predictor import mape, replay_verdicts, split_warmup
+from fthsdp.bench.predictor_score import mape, replay_verdicts, split_warmup
 from fthsdp.services.health.detectors.failslow import fit, predict
 
 ALPHA = 2.0e-5  # seconds per token
