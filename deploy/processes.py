@@ -44,11 +44,28 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the kernel considers free on `host` now."""
+    """A TCP port free on `host` for a child to bind (with SO_REUSEADDR, as every server here
+    does) in the next minute.
+
+    A port the kernel merely reported free is handed out again: to the next `bind(host, 0)`
+    (this launcher's next call, another process's) and as the source port of any outgoing
+    connection, before the child got to bind it; the child then fails to start. So the port is
+    left reserved instead: a connection to it is accepted and closed from the accepting side,
+    which parks (host, port) in TIME_WAIT for the kernel's 60 s. Meanwhile the kernel picks it
+    neither for `bind(0)` nor for a `connect()`, while a listener with SO_REUSEADDR may bind it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        # Inherited by the accepted socket, hence by its TIME_WAIT: what lets the child's
+        # SO_REUSEADDR bind through it.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(1)
+        address = listener.getsockname()
+        with socket.socket(family, socket.SOCK_STREAM) as client:
+            client.connect(address)
+            accepted, _ = listener.accept()
+            accepted.close()  # the accepting side closes first: its end goes to TIME_WAIT
+        return int(address[1])
 
 
 def describe_exit(code: int) -> str:
