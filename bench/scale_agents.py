@@ -55,17 +55,32 @@ class CountingCache(QuorumDecodeCache):
         self.responses: dict[str, int] = {}
         self._sizes: dict[tuple[int, int, int, int], int] = {}
 
-    def decode(self, msg: qpb.QuorumResponse) -> Quorum | None:
-        # Every participant of a round gets the same bytes: measure each distinct one once.
+    def decode(self, msg: qpb.QuorumResponse, replica_id: str) -> Quorum | None:
+        # Every participant of a round gets the same shared part: measure each distinct one
+        # once; the endpoints each caller needs come on top.
         key = (msg.quorum_id, msg.max_step, msg.members_form, len(msg.members))
         size = self._sizes.get(key)
         if size is None:
             if len(self._sizes) > 64:
                 self._sizes.clear()
-            size = self._sizes[key] = msg.ByteSize()
+            size = self._sizes[key] = msg.ByteSize() - _endpoints_bytes(msg)
+        size += _endpoints_bytes(msg)
         self.bytes[self.phase] = self.bytes.get(self.phase, 0) + size
         self.responses[self.phase] = self.responses.get(self.phase, 0) + 1
-        return super().decode(msg)
+        return super().decode(msg, replica_id)
+
+
+def _endpoints_bytes(msg: qpb.QuorumResponse) -> int:
+    """The wire size of the answer's `endpoints` field: each entry's tag, length and body."""
+    total = 0
+    for entry in msg.endpoints:
+        body = entry.ByteSize()
+        total += 1 + _varint_bytes(body) + body
+    return total
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 @dataclass(slots=True)

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66thsdp/protos/quorum.proto\x12\tfthsdp.v1\"0\n\x0cRankEndpoint\x12\x0c\n\x04\x66tar\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\"]\n\x0bJoinRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\"L\n\x0cJoinResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tquorum_id\x18\x02 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x04\"\x97\x02\n\rQuorumRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rcommit_failed\x18\x04 \x01(\x08\x12\x17\n\x0fknown_quorum_id\x18\x05 \x01(\x04\x12\x12\n\nattempt_id\x18\x06 \x01(\x04\x12\x18\n\x0bmicro_steps\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x65ven_micro_steps\x18\x08 \x01(\r\x12\x17\n\x0fmax_micro_steps\x18\t \x01(\r\x12\x14\n\x0c\x62usy_seconds\x18\n \x01(\x01\x12\x18\n\x10\x62usy_micro_steps\x18\x0b \x01(\rB\x0e\n\x0c_micro_steps\"m\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\"1\n\rLaggingMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\">\n\x12RecoveryAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66irst_source\x18\x02 \x03(\r\"\xf0\x02\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x10\n\x08max_step\x18\x02 \x01(\x03\x12(\n\x07members\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.QuorumMember\x12\x31\n\nrecovering\x18\x05 \x03(\x0b\x32\x1d.fthsdp.v1.RecoveryAssignment\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x07 \x01(\x04\x12,\n\x0cmembers_form\x18\x08 \x01(\x0e\x32\x16.fthsdp.v1.MembersForm\x12)\n\x07lagging\x18\t \x03(\x0b\x32\x18.fthsdp.v1.LaggingMember\x12\x18\n\x10\x65ven_micro_steps\x18\n \x01(\r\x12)\n\x06uneven\x18\x0b \x03(\x0b\x32\x19.fthsdp.v1.MicroStepShareJ\x04\x08\x04\x10\x05R\x12\x65ndpoints_included\"C\n\x0eMicroStepShare\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07trained\x18\x02 \x01(\r\x12\x0c\n\x04next\x18\x03 \x01(\r\";\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"<\n\x11HeartbeatResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x02 \x01(\x04\"\xa8\x01\n\x14ReportFailureRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x0bincarnation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08reporter\x18\x04 \x01(\t\x12\x10\n\x08teardown\x18\x05 \x01(\x08\x12\x1e\n\x16unless_heard_within_ms\x18\x06 \x01(\rB\x0e\n\x0c_incarnation\"(\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\"G\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"&\n\rStatusRequest\x12\x15\n\rhistory_limit\x18\x01 \x01(\r\"\xc8\x01\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x0f\n\x07waiting\x18\x06 \x01(\x08\x12\x18\n\x10last_seen_ms_ago\x18\x07 \x01(\x04\x12&\n\x05ranks\x18\x08 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpointB\x07\n\x05_step\"\x8d\x01\n\rQuorumSummary\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x0f\n\x07healthy\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0e\x66ormed_unix_ms\x18\x07 \x01(\x03\"\xcc\x01\n\x0eStatusResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12)\n\x07history\x18\x03 \x03(\x0b\x32\x18.fthsdp.v1.QuorumSummary\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x04\x12-\n\x08\x66\x61ilslow\x18\x06 \x03(\x0b\x32\x1b.fthsdp.v1.FailSlowDecision\"\x95\x01\n\x10\x46\x61ilSlowDecision\x12\x17\n\x0f\x64\x65\x63ided_unix_ms\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12)\n\x06uneven\x18\x04 \x03(\x0b\x32\x19.fthsdp.v1.MicroStepShare\x12\x0f\n\x07\x65victed\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\"7\n\x0cWatchRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xa2\x01\n\rWatchResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.fthsdp.v1.EventKind\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x10\n\x08teardown\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04*S\n\x0bMembersForm\x12\x15\n\x11MEMBERS_FORM_FULL\x10\x00\x12\x16\n\x12MEMBERS_FORM_DELTA\x10\x01\x12\x15\n\x11MEMBERS_FORM_SAME\x10\x02*\x9b\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x01\x12\x15\n\x11\x45VENT_KIND_JOINED\x10\x02\x12\x13\n\x0f\x45VENT_KIND_LEFT\x10\x03\x12\x16\n\x12\x45VENT_KIND_EVICTED\x10\x04\x12\x15\n\x11\x45VENT_KIND_QUORUM\x10\x05\x32\xdc\x03\n\rQuorumService\x12\x37\n\x04Join\x12\x16.fthsdp.v1.JoinRequest\x1a\x17.fthsdp.v1.JoinResponse\x12=\n\x06Quorum\x12\x18.fthsdp.v1.QuorumRequest\x1a\x19.fthsdp.v1.QuorumResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12R\n\rReportFailure\x12\x1f.fthsdp.v1.ReportFailureRequest\x1a .fthsdp.v1.ReportFailureResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse\x12<\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x18.fthsdp.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66thsdp/protos/quorum.proto\x12\tfthsdp.v1\"0\n\x0cRankEndpoint\x12\x0c\n\x04\x66tar\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\"]\n\x0bJoinRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\"L\n\x0cJoinResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tquorum_id\x18\x02 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x04\"\x97\x02\n\rQuorumRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rcommit_failed\x18\x04 \x01(\x08\x12\x17\n\x0fknown_quorum_id\x18\x05 \x01(\x04\x12\x12\n\nattempt_id\x18\x06 \x01(\x04\x12\x18\n\x0bmicro_steps\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x65ven_micro_steps\x18\x08 \x01(\r\x12\x17\n\x0fmax_micro_steps\x18\t \x01(\r\x12\x14\n\x0c\x62usy_seconds\x18\n \x01(\x01\x12\x18\n\x10\x62usy_micro_steps\x18\x0b \x01(\rB\x0e\n\x0c_micro_steps\"R\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x03J\x04\x08\x04\x10\x05R\x05ranks\"b\n\x0fMemberEndpoints\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpoint\"1\n\rLaggingMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\">\n\x12RecoveryAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66irst_source\x18\x02 \x03(\r\"\x9f\x03\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x10\n\x08max_step\x18\x02 \x01(\x03\x12(\n\x07members\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.QuorumMember\x12\x31\n\nrecovering\x18\x05 \x03(\x0b\x32\x1d.fthsdp.v1.RecoveryAssignment\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x07 \x01(\x04\x12,\n\x0cmembers_form\x18\x08 \x01(\x0e\x32\x16.fthsdp.v1.MembersForm\x12)\n\x07lagging\x18\t \x03(\x0b\x32\x18.fthsdp.v1.LaggingMember\x12\x18\n\x10\x65ven_micro_steps\x18\n \x01(\r\x12)\n\x06uneven\x18\x0b \x03(\x0b\x32\x19.fthsdp.v1.MicroStepShare\x12-\n\tendpoints\x18\x0c \x03(\x0b\x32\x1a.fthsdp.v1.MemberEndpointsJ\x04\x08\x04\x10\x05R\x12\x65ndpoints_included\"C\n\x0eMicroStepShare\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07trained\x18\x02 \x01(\r\x12\x0c\n\x04next\x18\x03 \x01(\r\";\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"<\n\x11HeartbeatResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x02 \x01(\x04\"\xa8\x01\n\x14ReportFailureRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x0bincarnation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08reporter\x18\x04 \x01(\t\x12\x10\n\x08teardown\x18\x05 \x01(\x08\x12\x1e\n\x16unless_heard_within_ms\x18\x06 \x01(\rB\x0e\n\x0c_incarnation\"(\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\"G\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"&\n\rStatusRequest\x12\x15\n\rhistory_limit\x18\x01 \x01(\r\"\xc8\x01\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x0f\n\x07waiting\x18\x06 \x01(\x08\x12\x18\n\x10last_seen_ms_ago\x18\x07 \x01(\x04\x12&\n\x05ranks\x18\x08 \x03(\x0b\x32\x17.fthsdp.v1.RankEndpointB\x07\n\x05_step\"\x8d\x01\n\rQuorumSummary\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x0f\n\x07healthy\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0e\x66ormed_unix_ms\x18\x07 \x01(\x03\"\xcc\x01\n\x0eStatusResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12)\n\x07history\x18\x03 \x03(\x0b\x32\x18.fthsdp.v1.QuorumSummary\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x04\x12-\n\x08\x66\x61ilslow\x18\x06 \x03(\x0b\x32\x1b.fthsdp.v1.FailSlowDecision\"\x95\x01\n\x10\x46\x61ilSlowDecision\x12\x17\n\x0f\x64\x65\x63ided_unix_ms\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12)\n\x06uneven\x18\x04 \x03(\x0b\x32\x19.fthsdp.v1.MicroStepShare\x12\x0f\n\x07\x65victed\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\"7\n\x0cWatchRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xa2\x01\n\rWatchResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.fthsdp.v1.EventKind\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x10\n\x08teardown\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04*U\n\x0bMembersForm\x12\x15\n\x11MEMBERS_FORM_FULL\x10\x00\x12\x15\n\x11MEMBERS_FORM_SAME\x10\x02\"\x04\x08\x01\x10\x01*\x12MEMBERS_FORM_DELTA*\x9b\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x01\x12\x15\n\x11\x45VENT_KIND_JOINED\x10\x02\x12\x13\n\x0f\x45VENT_KIND_LEFT\x10\x03\x12\x16\n\x12\x45VENT_KIND_EVICTED\x10\x04\x12\x15\n\x11\x45VENT_KIND_QUORUM\x10\x05\x32\xdc\x03\n\rQuorumService\x12\x37\n\x04Join\x12\x16.fthsdp.v1.JoinRequest\x1a\x17.fthsdp.v1.JoinResponse\x12=\n\x06Quorum\x12\x18.fthsdp.v1.QuorumRequest\x1a\x19.fthsdp.v1.QuorumResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12R\n\rReportFailure\x12\x1f.fthsdp.v1.ReportFailureRequest\x1a .fthsdp.v1.ReportFailureResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse\x12<\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x18.fthsdp.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fthsdp.protos.quorum_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERSFORM']._serialized_start=2606
-  _globals['_MEMBERSFORM']._serialized_end=2689
-  _globals['_EVENTKIND']._serialized_start=2692
-  _globals['_EVENTKIND']._serialized_end=2847
+  _globals['_MEMBERSFORM']._serialized_start=2726
+  _globals['_MEMBERSFORM']._serialized_end=2811
+  _globals['_EVENTKIND']._serialized_start=2814
+  _globals['_EVENTKIND']._serialized_end=2969
   _globals['_RANKENDPOINT']._serialized_start=41
   _globals['_RANKENDPOINT']._serialized_end=89
   _globals['_JOINREQUEST']._serialized_start=91
@@ -44,41 +44,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUORUMREQUEST']._serialized_start=265
   _globals['_QUORUMREQUEST']._serialized_end=544
   _globals['_QUORUMMEMBER']._serialized_start=546
-  _globals['_QUORUMMEMBER']._serialized_end=655
-  _globals['_LAGGINGMEMBER']._serialized_start=657
-  _globals['_LAGGINGMEMBER']._serialized_end=706
-  _globals['_RECOVERYASSIGNMENT']._serialized_start=708
-  _globals['_RECOVERYASSIGNMENT']._serialized_end=770
-  _globals['_QUORUMRESPONSE']._serialized_start=773
-  _globals['_QUORUMRESPONSE']._serialized_end=1141
-  _globals['_MICROSTEPSHARE']._serialized_start=1143
-  _globals['_MICROSTEPSHARE']._serialized_end=1210
-  _globals['_HEARTBEATREQUEST']._serialized_start=1212
-  _globals['_HEARTBEATREQUEST']._serialized_end=1271
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1273
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1333
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1336
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1504
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1506
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1546
-  _globals['_LEAVEREQUEST']._serialized_start=1548
-  _globals['_LEAVEREQUEST']._serialized_end=1619
-  _globals['_LEAVERESPONSE']._serialized_start=1621
-  _globals['_LEAVERESPONSE']._serialized_end=1636
-  _globals['_STATUSREQUEST']._serialized_start=1638
-  _globals['_STATUSREQUEST']._serialized_end=1676
-  _globals['_MEMBERSTATUS']._serialized_start=1679
-  _globals['_MEMBERSTATUS']._serialized_end=1879
-  _globals['_QUORUMSUMMARY']._serialized_start=1882
-  _globals['_QUORUMSUMMARY']._serialized_end=2023
-  _globals['_STATUSRESPONSE']._serialized_start=2026
-  _globals['_STATUSRESPONSE']._serialized_end=2230
-  _globals['_FAILSLOWDECISION']._serialized_start=2233
-  _globals['_FAILSLOWDECISION']._serialized_end=2382
-  _globals['_WATCHREQUEST']._serialized_start=2384
-  _globals['_WATCHREQUEST']._serialized_end=2439
-  _globals['_WATCHRESPONSE']._serialized_start=2442
-  _globals['_WATCHRESPONSE']._serialized_end=2604
-  _globals['_QUORUMSERVICE']._serialized_start=2850
-  _globals['_QUORUMSERVICE']._serialized_end=3326
+  _globals['_QUORUMMEMBER']._serialized_end=628
+  _globals['_MEMBERENDPOINTS']._serialized_start=630
+  _globals['_MEMBERENDPOINTS']._serialized_end=728
+  _globals['_LAGGINGMEMBER']._serialized_start=730
+  _globals['_LAGGINGMEMBER']._serialized_end=779
+  _globals['_RECOVERYASSIGNMENT']._serialized_start=781
+  _globals['_RECOVERYASSIGNMENT']._serialized_end=843
+  _globals['_QUORUMRESPONSE']._serialized_start=846
+  _globals['_QUORUMRESPONSE']._serialized_end=1261
+  _globals['_MICROSTEPSHARE']._serialized_start=1263
+  _globals['_MICROSTEPSHARE']._serialized_end=1330
+  _globals['_HEARTBEATREQUEST']._serialized_start=1332
+  _globals['_HEARTBEATREQUEST']._serialized_end=1391
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1393
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1453
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1456
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1624
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1626
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1666
+  _globals['_LEAVEREQUEST']._serialized_start=1668
+  _globals['_LEAVEREQUEST']._serialized_end=1739
+  _globals['_LEAVERESPONSE']._serialized_start=1741
+  _globals['_LEAVERESPONSE']._serialized_end=1756
+  _globals['_STATUSREQUEST']._serialized_start=1758
+  _globals['_STATUSREQUEST']._serialized_end=1796
+  _globals['_MEMBERSTATUS']._serialized_start=1799
+  _globals['_MEMBERSTATUS']._serialized_end=1999
+  _globals['_QUORUMSUMMARY']._serialized_start=2002
+  _globals['_QUORUMSUMMARY']._serialized_end=2143
+  _globals['_STATUSRESPONSE']._serialized_start=2146
+  _globals['_STATUSRESPONSE']._serialized_end=2350
+  _globals['_FAILSLOWDECISION']._serialized_start=2353
+  _globals['_FAILSLOWDECISION']._serialized_end=2502
+  _globals['_WATCHREQUEST']._serialized_start=2504
+  _globals['_WATCHREQUEST']._serialized_end=2559
+  _globals['_WATCHRESPONSE']._serialized_start=2562
+  _globals['_WATCHRESPONSE']._serialized_end=2724
+  _globals['_QUORUMSERVICE']._serialized_start=2972
+  _globals['_QUORUMSERVICE']._serialized_end=3448
 # @@protoc_insertion_point(module_scope)

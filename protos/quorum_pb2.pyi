@@ -30,11 +30,7 @@ class _MembersForm:
 class _MembersFormEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MembersForm.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     MEMBERS_FORM_FULL: _MembersForm.ValueType  # 0
-    """Every member with its rank endpoints (the caller holds no quorum the service remembers)."""
-    MEMBERS_FORM_DELTA: _MembersForm.ValueType  # 1
-    """Every member; rank endpoints only for the members (replica id and incarnation) that were not
-    in the caller's known quorum.
-    """
+    """Every member (the quorum id differs from known_quorum_id)."""
     MEMBERS_FORM_SAME: _MembersForm.ValueType  # 2
     """quorum_id equals known_quorum_id: the members are the known quorum's, left out; `lagging`
     names those below max_step with their steps, every other member is at max_step.
@@ -42,17 +38,12 @@ class _MembersFormEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MembersFo
 
 class MembersForm(_MembersForm, metaclass=_MembersFormEnumTypeWrapper):
     """How much of the membership a QuorumResponse spells out, given the request's known_quorum_id.
-    Each round costs O(1) bytes per participant when nothing changed, and only the newcomers'
-    endpoints when something did: at 1,536 replicas every leader would otherwise receive every
-    member each step, O(replicas^2) bytes a round.
+    A steady round costs O(1) bytes per participant; one that changed the membership O(replicas)
+    small entries plus the endpoints of the few members the caller needs (`endpoints`).
     """
 
 MEMBERS_FORM_FULL: MembersForm.ValueType  # 0
-"""Every member with its rank endpoints (the caller holds no quorum the service remembers)."""
-MEMBERS_FORM_DELTA: MembersForm.ValueType  # 1
-"""Every member; rank endpoints only for the members (replica id and incarnation) that were not
-in the caller's known quorum.
-"""
+"""Every member (the quorum id differs from known_quorum_id)."""
 MEMBERS_FORM_SAME: MembersForm.ValueType  # 2
 """quorum_id equals known_quorum_id: the members are the known quorum's, left out; `lagging`
 names those below max_step with their steps, every other member is at max_step.
@@ -266,32 +257,58 @@ class QuorumMember(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
-    RANKS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The member replica."""
     incarnation: _builtins.int
     """The member's current incarnation."""
     step: _builtins.int
     """The step the member asked for."""
-    @_builtins.property
-    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankEndpoint]:
-        """Per-rank endpoints, in rank order; empty for a member the caller already holds (DELTA)."""
-
     def __init__(
         self,
         *,
         replica_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         step: _builtins.int = ...,
-        ranks: _abc.Iterable[Global___RankEndpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "ranks", b"ranks", "replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "replica_id", b"replica_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___QuorumMember: _TypeAlias = QuorumMember  # noqa: Y015
+
+@_typing.final
+class MemberEndpoints(_message.Message):
+    """Where the ranks of one member can be reached."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The member replica."""
+    incarnation: _builtins.int
+    """Its incarnation these endpoints belong to."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankEndpoint]:
+        """Per-rank endpoints, in rank order; exactly world_size entries."""
+
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        ranks: _abc.Iterable[Global___RankEndpoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "ranks", b"ranks", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemberEndpoints: _TypeAlias = MemberEndpoints  # noqa: Y015
 
 @_typing.final
 class LaggingMember(_message.Message):
@@ -366,6 +383,7 @@ class QuorumResponse(_message.Message):
     LAGGING_FIELD_NUMBER: _builtins.int
     EVEN_MICRO_STEPS_FIELD_NUMBER: _builtins.int
     UNEVEN_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     quorum_id: _builtins.int
     """Epoch of the membership: grows on every membership change or reported commit failure."""
     max_step: _builtins.int
@@ -394,6 +412,15 @@ class QuorumResponse(_message.Message):
     def uneven(self) -> _containers.RepeatedCompositeFieldContainer[Global___MicroStepShare]:
         """The members whose micro-steps differ from the even share, in replica_id order."""
 
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberEndpoints]:
+        """The endpoints of the members this caller needs, in replica_id order: in a FULL answer
+        itself and its two ring neighbours (rank i of a replica exchanges only with rank i of the
+        members before and after it), and in any answer, when the caller recovers, its sources.
+        Per caller, so no answer grows with replicas x ranks: at 1,536 replicas of 64 ranks every
+        member's endpoints would be 4.4 MB for each of the 1,536 leaders.
+        """
+
     def __init__(
         self,
         *,
@@ -407,10 +434,11 @@ class QuorumResponse(_message.Message):
         lagging: _abc.Iterable[Global___LaggingMember] | None = ...,
         even_micro_steps: _builtins.int = ...,
         uneven: _abc.Iterable[Global___MicroStepShare] | None = ...,
+        endpoints: _abc.Iterable[Global___MemberEndpoints] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["even_micro_steps", b"even_micro_steps", "lagging", b"lagging", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "members_form", b"members_form", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering", "uneven", b"uneven"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "even_micro_steps", b"even_micro_steps", "lagging", b"lagging", "leader_epoch", b"leader_epoch", "max_step", b"max_step", "members", b"members", "members_form", b"members_form", "quorum_id", b"quorum_id", "reason", b"reason", "recovering", b"recovering", "uneven", b"uneven"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,8 @@
 """What the replica leader tells its ranks after each quorum, and each rank's view of it.
 
 The leader sends the quorum as canonical JSON (never pickle); every rank validates it and
-derives its own `StepPlan`: its ring (rank i of every member), the contributors, its sources."""
+derives its own `StepPlan`: its ring (rank i of every member, the addresses of its neighbours),
+the contributors, its sources."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class StepPlan:
     max_step: int
     """The step the healthy replicas are at; this replica trains it or catches up to it."""
     ring: tuple[str, ...]
-    """FTAR addresses of this rank's ring (rank i of every member), in ring order."""
+    """FTAR addresses of this rank's ring (rank i of every member), in ring order: its own and
+    its neighbours', "" for the members it never connects to (see `FtarRing.reconfigure`)."""
     ring_replicas: tuple[str, ...]
     """The replica at each ring position."""
     healthy: tuple[str, ...]
@@ -81,11 +83,10 @@ def encode_quorum(quorum: Quorum, replica_id: str) -> bytes:
     body: dict[str, Any] = {
         "quorum_id": quorum.quorum_id,
         "max_step": quorum.max_step,
+        # Every member, with the endpoints of the few this replica needs (itself, its ring
+        # neighbours, its sources): the quorum service sends no others.
         "members": [
-            {
-                "replica_id": m.replica_id,
-                "ranks": [[r.ftar, r.checkpoint] for r in m.ranks],
-            }
+            {"replica_id": m.replica_id, "ranks": [[r.ftar, r.checkpoint] for r in m.ranks]}
             for m in quorum.members
         ],
         "healthy": list(quorum.healthy),
@@ -212,9 +213,10 @@ def decode_plan(payload: bytes, *, replica_id: str, rank: int) -> StepPlan:
 
 def _plan(raw: dict[str, Any], *, replica_id: str, rank: int) -> StepPlan:
     members = raw["members"]
-    ring = tuple(str(m["ranks"][rank][0]) for m in members)
+    # "" for a member whose endpoints this replica was not sent: not its neighbour, not a source.
+    ring = tuple(str(m["ranks"][rank][0]) if m["ranks"] else "" for m in members)
     ring_replicas = tuple(str(m["replica_id"]) for m in members)
-    urls = {str(m["replica_id"]): str(m["ranks"][rank][1]) for m in members}
+    urls = {str(m["replica_id"]): str(m["ranks"][rank][1]) for m in members if m["ranks"]}
     mine = raw["sources"][rank] if raw["sources"] else []
     plan = StepPlan(
         quorum_id=int(raw["quorum_id"]),
@@ -229,6 +231,9 @@ def _plan(raw: dict[str, Any], *, replica_id: str, rank: int) -> StepPlan:
     )
     if plan.max_step < 0 or plan.quorum_id < 0 or replica_id not in ring_replicas:
         raise ValueError("a step plan must include this replica and carry non-negative ids")
+    me = ring_replicas.index(replica_id)
+    if not all(ring[i % len(ring)] for i in (me - 1, me, me + 1)):
+        raise ValueError("a step plan must carry this rank's and its ring neighbours' endpoints")
     return plan
 
 

@@ -126,12 +126,14 @@ def _seconds(value: timedelta) -> float:
 
 
 class QuorumDecodeCache:
-    """The latest complete quorum seen (its id is the `known_quorum_id` of the next request, so
-    the service leaves out what it holds), and the last few decoded quorums (thread-safe).
+    """What a client holds between its Quorum calls (thread-safe): the latest quorum seen (its
+    id is the `known_quorum_id` of the next request, so a steady answer leaves the members out),
+    the endpoints each caller received, and the last few decoded answers.
 
     One per client by default. Clients in one process may share one (`decode_cache=`), e.g. when
-    a process emulates many replicas: every participant of a round gets the same bytes, so the
-    decode then happens once per round per process instead of once per client."""
+    a process emulates many replicas: every participant of a round gets the same shared part, so
+    it is decoded once per round per process instead of once per client; each caller's
+    endpoints are kept apart."""
 
     _MEMO_SIZE = 4
 
@@ -139,45 +141,67 @@ class QuorumDecodeCache:
         self._lock = threading.Lock()
         self._known: Quorum | None = None
         self._memo: dict[tuple[object, ...], Quorum] = {}
+        self._held: dict[str, tuple[int, dict[str, tuple[int, tuple[RankEndpoint, ...]]]]] = {}
+        """Caller -> (the quorum id of its last answer, the endpoints it holds)."""
 
-    @property
-    def known_quorum_id(self) -> int:
-        """The quorum id whose members this cache holds (0: none)."""
+    def known_quorum_id(self, replica_id: str) -> int:
+        """The quorum id whose members and endpoints this cache holds for `replica_id` (0:
+        none)."""
         with self._lock:
-            return 0 if self._known is None else self._known.quorum_id
+            held = self._held.get(replica_id)
+            known = self._known
+            if held is None or known is None or known.quorum_id != held[0]:
+                return 0
+            return held[0]
 
-    def decode(self, msg: pb.QuorumResponse) -> Quorum | None:
-        """The complete quorum, or None when the message leaves out members or endpoints this
-        cache does not hold (another client sharing it moved it on): ask again without."""
+    def decode(self, msg: pb.QuorumResponse, replica_id: str) -> Quorum | None:
+        """The quorum as `replica_id` needs it (`Quorum.needed_by` with endpoints), or None when
+        the message builds on members or endpoints this cache does not hold (another client
+        sharing it moved it on): ask again without."""
         key = _memo_key(msg)
+        received = codec.endpoints_from_pb(msg)
         with self._lock:
-            quorum = self._memo.get(key)
-            if quorum is not None:
-                return quorum
-            try:
-                quorum = codec.quorum_from_pb(msg, self._known)
-            except KeyError:
+            held = self._held.get(replica_id)
+            if msg.members_form == codec.SAME and (held is None or held[0] != msg.quorum_id):
                 return None
-            if self._known is None or quorum.quorum_id >= self._known.quorum_id:
-                self._known = quorum
-            if len(self._memo) >= self._MEMO_SIZE:
-                self._memo.clear()
-            self._memo[key] = quorum
-            return quorum
+            quorum = self._memo.get(key)
+            if quorum is None:
+                try:
+                    quorum = codec.quorum_from_pb(msg, self._known)
+                except KeyError:
+                    return None
+                if self._known is None or quorum.quorum_id >= self._known.quorum_id:
+                    self._known = quorum
+                if len(self._memo) >= self._MEMO_SIZE:
+                    self._memo.clear()
+                self._memo[key] = quorum
+            if not quorum.is_member(replica_id):
+                raise InternalError(f"an answer to {replica_id} that leaves it out")
+            kept = {} if held is None else held[1]
+            mine = {}
+            for rid in quorum.needed_by(replica_id):
+                endpoints = received.get(rid) or kept.get(rid)
+                if endpoints is None or endpoints[0] != quorum.member(rid).incarnation:
+                    return None  # the service took us for holding what we do not
+                mine[rid] = endpoints
+            self._held[replica_id] = (msg.quorum_id, mine)
+            return codec.with_endpoints(quorum, mine)
 
 
 def _memo_key(msg: pb.QuorumResponse) -> tuple[object, ...]:
-    """What tells two answers apart, without re-serializing one of megabytes: a quorum id names
-    one membership with its incarnations and so its endpoints (I3); the steps and sources are
-    what moves within it."""
+    """What tells the shared parts of two answers apart, without re-serializing one of a
+    thousand members: a quorum id names one membership with its incarnations (I3); the steps
+    and sources are what moves within it."""
     return (
         msg.quorum_id,
         msg.max_step,
         msg.members_form,
         msg.reason,
-        tuple((m.replica_id, m.step, len(m.ranks)) for m in msg.members),
+        tuple((m.replica_id, m.step) for m in msg.members),
         tuple((m.replica_id, m.step) for m in msg.lagging),
         tuple((a.replica_id, tuple(a.first_source)) for a in msg.recovering),
+        tuple((s.replica_id, s.trained, s.next) for s in msg.uneven),
+        msg.even_micro_steps,
     )
 
 
@@ -321,14 +345,14 @@ class QuorumClient(_ClientSettings):
         planner this replica's micro-steps and speed (see `StepWork`)."""
         deadline = time.monotonic() + _seconds(timeout)
         attempt = _new_attempt_id()
-        known = self._endpoints.known_quorum_id
+        known = self._endpoints.known_quorum_id(replica_id)
         budget = None if unavailable_budget is None else _seconds(unavailable_budget)
         while True:
             request = _quorum_request(
                 replica_id, incarnation, step, commit_failed, known, attempt, work
             )
             response = self._call("Quorum", request, deadline=deadline, unavailable_budget=budget)
-            quorum = self._endpoints.decode(response)
+            quorum = self._endpoints.decode(response, replica_id)
             if quorum is not None:
                 return quorum
             known = 0  # our cache moved on meanwhile: the same attempt again, with endpoints
@@ -485,7 +509,7 @@ class AsyncQuorumClient(_ClientSettings):
         `timeout`. `unavailable_budget` as in `QuorumClient.quorum`."""
         deadline = time.monotonic() + _seconds(timeout)
         attempt = _new_attempt_id()
-        known = self._endpoints.known_quorum_id
+        known = self._endpoints.known_quorum_id(replica_id)
         budget = None if unavailable_budget is None else _seconds(unavailable_budget)
         while True:
             request = _quorum_request(
@@ -494,7 +518,7 @@ class AsyncQuorumClient(_ClientSettings):
             response = await self._call(
                 "Quorum", request, deadline=deadline, unavailable_budget=budget
             )
-            quorum = self._endpoints.decode(response)
+            quorum = self._endpoints.decode(response, replica_id)
             if quorum is not None:
                 return quorum
             known = 0

@@ -5,8 +5,9 @@ may import it)."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Literal, TypeAlias
@@ -26,6 +27,7 @@ from fthsdp.services.quorum.domain import (
     RankEndpoint,
     StatusSnapshot,
     StepWork,
+    source_rotation,
 )
 
 _EVENT_KINDS: dict[pb.EventKind.ValueType, EventKind] = {
@@ -53,21 +55,20 @@ def ranks_from_pb(ranks: Sequence[pb.RankEndpoint]) -> tuple[RankEndpoint, ...]:
 
 MembersForm: TypeAlias = pb.MembersForm.ValueType
 FULL: MembersForm = pb.MEMBERS_FORM_FULL
-DELTA: MembersForm = pb.MEMBERS_FORM_DELTA
 SAME: MembersForm = pb.MEMBERS_FORM_SAME
 
+HeldEndpoints: TypeAlias = Mapping[str, tuple[int, tuple[RankEndpoint, ...]]]
+"""Endpoints a caller holds: replica id -> (incarnation, per-rank endpoints)."""
 
-def quorum_to_pb(
-    quorum: Quorum, *, form: MembersForm = FULL, held: Collection[tuple[str, int]] = ()
-) -> pb.QuorumResponse:
-    """A quorum as sent to a participant, leaving out what it already holds: FULL spells out
-    every member and its endpoints; DELTA every member, with endpoints only for those whose
-    (replica_id, incarnation) is not in `held`; SAME no member at all (the caller's known quorum
-    has this id), only the members below max_step (`lagging`).
 
-    Sources travel as the index of each rank's first source in `healthy`: every source list is a
-    rotation of `healthy` (see `core.assign_sources`), so per step the message stays O(replicas +
-    recovering ranks), never O(recovering ranks x healthy)."""
+def quorum_to_pb(quorum: Quorum, *, form: MembersForm = FULL) -> pb.QuorumResponse:
+    """A quorum as sent to every participant of its round, the same bytes for all: FULL lists
+    every member, SAME none (the caller's known quorum has this id), only the members below
+    max_step (`lagging`). The endpoints each caller needs go apart (`endpoints_to_pb`).
+
+    Sources travel as the index of each rank's first source in `healthy`: every source list
+    is a `source_rotation` of `healthy`, so per step the message stays O(replicas + recovering
+    ranks), never O(recovering ranks x healthy)."""
     index = {rid: i for i, rid in enumerate(quorum.healthy)} if quorum.sources else {}
     message = pb.QuorumResponse(
         quorum_id=quorum.quorum_id,
@@ -92,25 +93,34 @@ def quorum_to_pb(
         )
         return message
     message.members.extend(
-        pb.QuorumMember(
-            replica_id=m.replica_id,
-            incarnation=m.incarnation,
-            step=m.step,
-            ranks=(
-                ranks_to_pb(m.ranks)
-                if form == FULL or (m.replica_id, m.incarnation) not in held
-                else ()
-            ),
-        )
+        pb.QuorumMember(replica_id=m.replica_id, incarnation=m.incarnation, step=m.step)
         for m in quorum.members
     )
     return message
 
 
+def endpoints_to_pb(quorum: Quorum, replica_id: str, *, held: Collection[str] = ()) -> bytes:
+    """What completes the answer to `replica_id` (appended to `quorum_to_pb`'s bytes: a message
+    concatenated with another is their merge): the endpoints of the members it needs
+    (`Quorum.needed_by`) except those it `held` already."""
+    needed = [rid for rid in quorum.needed_by(replica_id) if rid not in held]
+    if not needed:
+        return b""
+    members = [quorum.member(rid) for rid in needed]
+    return pb.QuorumResponse(
+        endpoints=[
+            pb.MemberEndpoints(
+                replica_id=m.replica_id, incarnation=m.incarnation, ranks=ranks_to_pb(m.ranks)
+            )
+            for m in members
+        ]
+    ).SerializeToString()
+
+
 def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:
-    """The domain quorum; what the message leaves out comes from `known` (the caller's latest
-    complete quorum). KeyError when `known` lacks it: not the same quorum id for a SAME answer,
-    or a member without endpoints that `known` does not hold at that incarnation."""
+    """The quorum as every participant sees it, endpoints left empty (`with_endpoints` adds
+    the caller's); what a SAME answer leaves out comes from `known` (the latest complete quorum
+    seen). KeyError when `known` is not the same quorum id for a SAME answer."""
     if msg.members_form == SAME:
         if known is None or known.quorum_id != msg.quorum_id:
             raise KeyError(msg.quorum_id)
@@ -118,17 +128,12 @@ def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:
         if len(steps) != len(msg.lagging) or not all(known.is_member(r) for r in steps):
             raise InternalError("lagging members that are not members of the quorum")
         members = tuple(
-            dataclasses.replace(m, step=steps.get(m.replica_id, msg.max_step))
+            dataclasses.replace(m, step=steps.get(m.replica_id, msg.max_step), ranks=())
             for m in known.members
         )
     else:
         members = tuple(
-            Member(
-                replica_id=m.replica_id,
-                incarnation=m.incarnation,
-                step=m.step,
-                ranks=ranks_from_pb(m.ranks) if m.ranks else _held_ranks(known, m),
-            )
+            Member(replica_id=m.replica_id, incarnation=m.incarnation, step=m.step, ranks=())
             for m in msg.members
         )
     healthy = tuple(m.replica_id for m in members if m.step == msg.max_step)
@@ -141,7 +146,7 @@ def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:
                 raise InternalError(f"source index {start} outside {len(healthy)} healthy replicas")
             rotation = rotations.get(start)
             if rotation is None:
-                rotation = rotations[start] = healthy[start:] + healthy[:start]
+                rotation = rotations[start] = source_rotation(healthy, start)
             per_rank.append(rotation)
         sources[assignment.replica_id] = tuple(per_rank)
     return Quorum(
@@ -153,6 +158,30 @@ def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:
         reason=msg.reason,
         micro_steps=shares_from_pb(msg.even_micro_steps, msg.uneven),
     )
+
+
+def endpoints_from_pb(msg: pb.QuorumResponse) -> dict[str, tuple[int, tuple[RankEndpoint, ...]]]:
+    """The endpoints an answer carries for its caller (InternalError for a replica named
+    twice)."""
+    held = {e.replica_id: (e.incarnation, ranks_from_pb(e.ranks)) for e in msg.endpoints}
+    if len(held) != len(msg.endpoints):
+        raise InternalError("an answer names a member's endpoints twice")
+    return held
+
+
+def with_endpoints(quorum: Quorum, held: HeldEndpoints) -> Quorum:
+    """`quorum` with the endpoints of the members `held` has at their incarnation; the others'
+    stay empty. O(members) pointer copies plus O(held log members)."""
+    if not held:
+        return quorum
+    members = list(quorum.members)
+    for rid, (incarnation, ranks) in held.items():
+        index = bisect.bisect_left(members, rid, key=lambda m: m.replica_id)
+        if index < len(members) and members[index].replica_id == rid:
+            member = members[index]
+            if member.incarnation == incarnation:
+                members[index] = dataclasses.replace(member, ranks=ranks)
+    return dataclasses.replace(quorum, members=tuple(members))
 
 
 def shares_to_pb(micro_steps: MicroSteps) -> list[pb.MicroStepShare]:
@@ -207,17 +236,6 @@ def work_from_pb(request: pb.QuorumRequest) -> StepWork:
         busy_seconds=busy,
         busy_micro_steps=request.busy_micro_steps,
     )
-
-
-def _held_ranks(known: Quorum | None, m: pb.QuorumMember) -> tuple[RankEndpoint, ...]:
-    """A member's endpoints from the caller's known quorum (KeyError: not held there at this
-    incarnation; a member always has at least one rank, so no endpoints means left out)."""
-    if known is None:
-        raise KeyError(m.replica_id)
-    held = known.member(m.replica_id)
-    if held.incarnation != m.incarnation:
-        raise KeyError(m.replica_id)
-    return held.ranks
 
 
 # ---- status and events ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from fthsdp.services.quorum.domain import (
     StaleIncarnationError,
     StepWork,
     UnknownReplicaError,
+    source_rotation,
 )
 
 MAX_ID_CHARS = 128
@@ -39,8 +40,9 @@ MAX_WORLD_SIZE = 4096
 MAX_ADDRESS_CHARS = 256
 MAX_REASON_CHARS = 1024
 MAX_MEMBERSHIP_BYTES = 56 * 1024 * 1024
-"""Budget of all registered replicas' endpoints in one answer (Quorum, Status): the messages
-are capped at 64 MiB, and the rest of an answer is far below the 8 MiB left."""
+"""Budget of all registered replicas' endpoints in one answer (Status lists them all; a Quorum
+answer only those its caller needs): the messages are capped at 64 MiB, and the rest of an
+answer is far below the 8 MiB left."""
 _RANK_OVERHEAD = 12  # protobuf tags and lengths of one RankEndpoint inside a member
 _MEMBER_OVERHEAD = 64 + MAX_ID_CHARS  # a member's id, incarnation, step and framing
 
@@ -563,14 +565,14 @@ def _micro_steps(asks: Sequence[Ask], max_step: int, next_shares: Mapping[str, i
 def assign_sources(
     healthy: Sequence[str], recovering: Iterable[tuple[str, int]]
 ) -> dict[str, tuple[tuple[str, ...], ...]]:
-    """For each (recovering replica, world size): per rank, every healthy replica in preference
-    order.
+    """For each (recovering replica, world size): per rank, up to `SOURCES_PER_RANK` healthy
+    replicas in preference order.
 
     Every (replica, rank) to serve gets the next slot of one global round-robin over `healthy`,
-    and its list is `healthy` rotated to start at that slot. So each list holds all healthy
-    replicas (a fallback for every source failure), the ranks of one recovering replica start at
-    different healthy replicas (as long as there are enough), and no healthy replica is primary
-    for more than ceil(ranks to serve / healthy) ranks."""
+    and its list is the first `SOURCES_PER_RANK` of `healthy` rotated to start at that slot
+    (`source_rotation`). So the ranks of one recovering replica start at different healthy
+    replicas (as long as there are enough), and no healthy replica is primary for more than
+    ceil(ranks to serve / healthy) ranks."""
     pool = tuple(healthy)
     if not pool:
         return {}
@@ -583,7 +585,7 @@ def assign_sources(
             start = slot % len(pool)
             rotation = rotations.get(start)
             if rotation is None:
-                rotation = rotations[start] = pool[start:] + pool[:start]
+                rotation = rotations[start] = source_rotation(pool, start)
             per_rank.append(rotation)
             slot += 1
         out[replica_id] = tuple(per_rank)

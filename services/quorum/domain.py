@@ -6,17 +6,19 @@ One definition for all of them: the worker may import a service's client modules
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import grpc
 
 from fthsdp.services.common import errors as common_errors
 
 EventKind = Literal["snapshot", "joined", "left", "evicted", "quorum"]
+
+_T = TypeVar("_T")
 
 _EMPTY_SOURCES: Mapping[str, tuple[tuple[str, ...], ...]] = MappingProxyType({})
 
@@ -46,11 +48,26 @@ class Member:
     step: int
     """The step the replica asked a quorum for."""
     ranks: tuple[RankEndpoint, ...]
-    """Per-rank endpoints, in rank order."""
+    """Per-rank endpoints, in rank order. In a quorum as a caller received it, only the members
+    it needs have them (`Quorum.needed_by`); the others' are empty."""
 
 
 FAILSLOW_POLICIES = ("off", "rebalance", "evict", "auto")
 """The quorum service's fail-slow mitigation policies (`QuorumConfig.failslow_policy`)."""
+
+SOURCES_PER_RANK = 4
+"""Healthy replicas a recovering rank fetches its state from, striped across them (each also the
+others' fallback): enough to spread the load and survive a source's death mid-fetch, and few
+enough that a recovering replica needs the endpoints of a handful of members, not all of them."""
+
+
+def source_rotation(healthy: Sequence[str], start: int) -> tuple[str, ...]:
+    """The sources of a recovering rank whose first source is `healthy[start]`: up to
+    `SOURCES_PER_RANK` healthy replicas from there on, wrapping around."""
+    return tuple(
+        healthy[(start + k) % len(healthy)] for k in range(min(SOURCES_PER_RANK, len(healthy)))
+    )
+
 
 MAX_MICRO_STEPS = 4096
 """The most micro-steps a replica may train in one step, and the largest even share."""
@@ -161,6 +178,36 @@ class Quorum:
     def recovering(self) -> tuple[str, ...]:
         """Members behind max_step, sorted: they catch up from `sources`."""
         return tuple(sorted(self.sources))
+
+    def ring_of(self, replica_id: str) -> tuple[str, ...]:
+        """`replica_id` and its ring neighbours (`ring_of`); KeyError if it is not a member."""
+        index = bisect.bisect_left(self.members, replica_id, key=lambda m: m.replica_id)
+        if index == len(self.members) or self.members[index].replica_id != replica_id:
+            raise KeyError(replica_id)
+        return _near(self.members, index, lambda m: m.replica_id)
+
+    def needed_by(self, replica_id: str) -> tuple[str, ...]:
+        """The members whose endpoints `replica_id`'s ranks use, sorted: itself, its ring
+        neighbours and, when it recovers, its sources. KeyError if it is not a member."""
+        needed = set(self.ring_of(replica_id))
+        for per_rank in self.sources.get(replica_id, ()):
+            needed.update(per_rank)
+        return tuple(sorted(needed))
+
+
+def ring_of(order: Sequence[str], replica_id: str) -> tuple[str, ...]:
+    """`replica_id` and the members before and after it in the ring `order` (sorted replica
+    ids, which `replica_id` is one of), sorted: rank i of a replica exchanges with rank i of
+    those two only. O(log members)."""
+    index = bisect.bisect_left(order, replica_id)
+    if index == len(order) or order[index] != replica_id:
+        raise KeyError(replica_id)
+    return _near(order, index, str)
+
+
+def _near(order: Sequence[_T], index: int, name: Callable[[_T], str]) -> tuple[str, ...]:
+    near = {name(order[index - 1]), name(order[index]), name(order[(index + 1) % len(order)])}
+    return tuple(sorted(near))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,9 +3,9 @@ health, reflection, admin HTTP, graceful shutdown; and the embeddable `QuorumSer
 `QuorumServerThread`.
 
 Handlers only convert messages <-> domain objects and map errors; behaviour is in
-`coordinator.py` and `core.py`. A formed round's answer is encoded once per round (twice at most:
-with and without endpoints) and sent as bytes to every participant, so answering N replicas costs
-N writes, not N encodings of an O(N) message."""
+`coordinator.py` and `core.py`. A formed round's answer is encoded once per round and sent as
+bytes to every participant, with the few endpoints each needs appended (`answers.py`), so
+answering N replicas costs N writes, not N encodings of an O(N) message."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from fthsdp.services.common.grpc_auth import BearerAuth
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum import core
+from fthsdp.services.quorum.answers import Answers
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.coordinator import Coordinator
-from fthsdp.services.quorum.core import Formation
 from fthsdp.services.quorum.domain import (
     InvalidRequestError,
     MembershipEvent,
@@ -48,15 +48,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["QuorumService"].full_name
 _MAX_PENDING_CALLS = 16384
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-"""Largest answer (a quorum with every member's endpoints)."""
+"""Largest answer (a Status listing every member's endpoints)."""
 _MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request: a Join of 4096 ranks x 2 addresses x 256 characters is about 2.1 MiB. A cap
 near what is needed bounds what anyone, token or not, can make the service receive."""
 _REMEMBERED_EVENTS = 256
 """Encoded events kept for streams still behind (a queue holds at most the hub's queue size)."""
-_REMEMBERED_QUORUMS = 16
-"""Quorums whose membership a DELTA or SAME answer may build on: a leader more than this many
-quorums behind gets every member's endpoints again."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
@@ -85,11 +82,8 @@ class _Servicer:
         NotLeaderError on a standby."""
         self._leader = leader
         self._metrics = metrics
-        self._encoded: dict[tuple[int, int, int, int], bytes] = {}
+        self._answers = Answers()
         self._encoded_events: dict[int, tuple[MembershipEvent, bytes]] = {}
-        self._identities: dict[int, frozenset[tuple[str, int]]] = {}
-        """Quorum id -> its members' (replica_id, incarnation), for the last few quorums this
-        server answered: what a caller naming one as its known quorum holds."""
 
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         """Method handlers; responses may be pre-encoded bytes (see `_encode`)."""
@@ -160,32 +154,9 @@ class _Servicer:
                 work=_work(request),
             )
         )
-        return self._encoded_answer(formation, request.known_quorum_id, epoch)
-
-    def _encoded_answer(self, formation: Formation, known: int, epoch: int) -> bytes:
-        """The answer for a caller holding quorum `known`, encoded once per round and form:
-        every participant of a steady round gets the same few bytes (see MembersForm)."""
-        quorum = formation.quorum
-        identity = frozenset(formation.record.members)
-        self._identities.setdefault(quorum.quorum_id, identity)
-        while len(self._identities) > _REMEMBERED_QUORUMS:
-            del self._identities[next(iter(self._identities))]
-        held = self._identities.get(known) if known else None
-        if held is None:
-            form, known = codec.FULL, 0
-        elif known == quorum.quorum_id and held == identity:
-            form = codec.SAME
-        else:
-            form = codec.DELTA
-        key = (epoch, formation.record.round, form, known)
-        data = self._encoded.get(key)
-        if data is None:
-            if len(self._encoded) >= 32:
-                self._encoded.clear()
-            message = codec.quorum_to_pb(quorum, form=form, held=held or ())
-            message.leader_epoch = epoch
-            data = self._encoded[key] = message.SerializeToString()
-        return data
+        return self._answers.encode(
+            formation, caller=request.replica_id, known=request.known_quorum_id, epoch=epoch
+        )
 
     async def _heartbeat(self, request: pb.HeartbeatRequest) -> Message:
         coordinator, epoch = self._leader()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import numpy as np
@@ -127,6 +128,34 @@ def test_steady_state_reuses_connections() -> None:
         # New neighbours: exactly the changed connections are rebuilt.
         reconfigure_all(rings, epoch=3, order=[0, 2, 1])
         assert all(r.stats().connects == b[0] + 1 for r, b in zip(rings, before, strict=True))
+
+
+def test_a_rank_that_knows_only_its_neighbours_addresses_exchanges_correctly() -> None:
+    """What each rank of a large job is told (its own and its two neighbours' addresses, the
+    rest empty) is all a ring needs; the sum is every member's."""
+    rings = [FtarRing(FAST) for _ in range(5)]
+    try:
+        addresses = [r.address for r in rings]
+        n = len(rings)
+
+        def partial(pos: int) -> list[str]:
+            near = {(pos - 1) % n, pos, (pos + 1) % n}
+            return [a if i in near else "" for i, a in enumerate(addresses)]
+
+        with ThreadPoolExecutor(n) as pool:
+            for f in [pool.submit(r.reconfigure, partial(i), i, 1) for i, r in enumerate(rings)]:
+                f.result(timeout=30)
+        ins = [[torch.full((1000,), float(i))] for i in range(n)]
+        for w in exchange(rings, ins):
+            w.wait(0)
+        for x in ins:
+            torch.testing.assert_close(x[0], torch.full((1000,), 2.0))  # mean of 0..4
+        # A neighbour's address is never optional.
+        with pytest.raises(FatalFtarError):
+            rings[0].reconfigure(["", addresses[1], *addresses[2:4], ""], 0, 2)
+    finally:
+        for r in rings:
+            r.close()
 
 
 def test_one_member_ring_needs_no_network() -> None:

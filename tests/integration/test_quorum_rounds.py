@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from fthsdp.services.quorum.client import AsyncQuorumClient, MembershipEvent, Quorum, RankEndpoint
+from fthsdp.protos import quorum_pb2 as qpb
+from fthsdp.services.quorum.client import (
+    AsyncQuorumClient,
+    MembershipEvent,
+    Quorum,
+    QuorumDecodeCache,
+    RankEndpoint,
+)
+from fthsdp.services.quorum.domain import SOURCES_PER_RANK
 from fthsdp.services.quorum.server import QuorumServer
 from tests.integration.conftest import eventually
 
@@ -73,22 +81,113 @@ async def test_32_leaders_form_identical_rounds_for_several_steps(
                     for c, rid, inc in zip(leaders, ids, incs, strict=True)
                 )
             )
-            assert len({(q.quorum_id, q.members) for q in quorums}) == 1
+            identities = {
+                (q.quorum_id, tuple((m.replica_id, m.incarnation, m.step) for m in q.members))
+                for q in quorums
+            }
+            assert len(identities) == 1
             assert [m.replica_id for m in quorums[0].members] == ids
             assert quorums[0].quorum_id == 1  # nobody changed: the epoch stays
             assert quorums[0].max_step == step
             assert quorums[0].num_healthy == 32
-            assert quorums[0].member("replica-07").ranks == tuple(ranks(7))
+            # Each leader holds its own endpoints and its ring neighbours', no one else's.
+            seventh = quorums[7]
+            for i in (6, 7, 8):
+                assert seventh.member(f"replica-{i:02d}").ranks == tuple(ranks(i))
+            assert seventh.member("replica-20").ranks == ()
         timings = quorum_server.round_timings()
         assert [t.participants for t in timings] == [32] * 4
     finally:
         await asyncio.gather(*(c.close() for c in leaders))
 
 
+class _Recording(QuorumDecodeCache):
+    """A decode cache noting whose endpoints each answer to each caller carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.carried: dict[str, list[list[str]]] = {}
+
+    def decode(self, msg: qpb.QuorumResponse, replica_id: str) -> Quorum | None:
+        self.carried.setdefault(replica_id, []).append([e.replica_id for e in msg.endpoints])
+        return super().decode(msg, replica_id)
+
+
+async def test_a_membership_change_sends_each_leader_only_the_endpoints_it_lacks(
+    quorum_server: QuorumServer, token: str
+) -> None:
+    """Ring a b c d; d leaves. a's ring was d a b and is now c a b: it gets c's endpoints and
+    no others; b's ring did not change: nothing; c gets a's. Each still holds its whole ring."""
+    ids = ["a", "b", "c", "d"]
+    caches = {rid: _Recording() for rid in ids}
+    leaders = {
+        rid: AsyncQuorumClient(quorum_server.address, token, decode_cache=caches[rid])
+        for rid in ids
+    }
+    try:
+        incs = {rid: await leaders[rid].join(rid, ranks(i)) for i, rid in enumerate(ids)}
+
+        async def round_of(members: list[str], step: int) -> dict[str, Quorum]:
+            answers = await asyncio.gather(
+                *(leaders[r].quorum(r, incs[r], step, timeout=LONG) for r in members)
+            )
+            return dict(zip(members, answers, strict=True))
+
+        first = await round_of(ids, 0)
+        assert [c.carried[r][-1] for r, c in caches.items()] == [
+            ["a", "b", "d"], ["a", "b", "c"], ["b", "c", "d"], ["a", "c", "d"]
+        ]  # fmt: skip
+        assert first["a"].member("c").ranks == ()  # not a's neighbour
+        await round_of(ids, 1)
+        assert all(c.carried[r][-1] == [] for r, c in caches.items())  # steady: nothing
+        await leaders["d"].leave("d", incs["d"])
+        after = await round_of(ids[:3], 2)
+        assert after["a"].quorum_id != first["a"].quorum_id
+        assert [caches[r].carried[r][-1] for r in ids[:3]] == [["c"], [], ["a"]]
+        for rid in ids[:3]:
+            for j in range(3):  # every one of the three holds the whole ring's endpoints
+                assert after[rid].member(ids[j]).ranks == tuple(ranks(j)), (rid, ids[j])
+    finally:
+        await asyncio.gather(*(c.close() for c in leaders.values()))
+
+
+async def test_a_recovering_leader_gets_its_sources_endpoints_once(
+    quorum_server: QuorumServer, token: str
+) -> None:
+    """r3 is behind: its ranks fetch from a few healthy sources, whose endpoints come with its
+    first answer; while it stays behind in the same quorum, none come again."""
+    ids = [f"r{i}" for i in range(7)]
+    cache = _Recording()
+    client = AsyncQuorumClient(quorum_server.address, token, decode_cache=cache)
+    try:
+        incs = {rid: await client.join(rid, ranks(i)) for i, rid in enumerate(ids)}
+        for step in (9, 10):
+            answers = await asyncio.gather(
+                *(
+                    client.quorum(rid, incs[rid], 0 if rid == "r3" else step, timeout=LONG)
+                    for rid in ids
+                )
+            )
+            mine = answers[3]
+            sources = {rid for per_rank in mine.sources["r3"] for rid in per_rank}
+            assert len(sources) == SOURCES_PER_RANK + 1  # 2 ranks, rotations one apart
+            needed = sources | {"r2", "r3", "r4"}
+            assert {m.replica_id for m in mine.members if m.ranks} == needed
+            assert mine.member("r6").ranks == ()
+        first, second = cache.carried["r3"]
+        assert set(first) == needed and second == []
+    finally:
+        await client.close()
+
+
 async def test_a_killed_client_does_not_count_in_the_round(
     make_quorum_server: Callable[..., Awaitable[QuorumServer]], token: str
 ) -> None:
-    server = await make_quorum_server(join_timeout=timedelta(milliseconds=300))
+    # a and b ask only once c's process is gone: no heartbeat timeout may run out meanwhile
+    # (starting that process alone took over a second on a loaded machine).
+    server = await make_quorum_server(
+        join_timeout=timedelta(milliseconds=300), heartbeat_timeout=timedelta(seconds=60)
+    )
     client = AsyncQuorumClient(server.address, token)
     try:
         incs = {rid: await client.join(rid, ranks(i)) for i, rid in enumerate("abc")}

@@ -177,7 +177,7 @@ async def test_unexpected_failure_is_internal_without_details(
     assert "Traceback" not in str(info.value)
 
 
-async def test_an_answer_leaves_out_what_the_caller_holds(
+async def test_an_answer_carries_only_what_the_caller_lacks_and_needs(
     raw: tuple[pb_grpc.QuorumServiceAsyncStub, tuple[tuple[str, str], ...]],
     quorum_server: QuorumServer,
     token: str,
@@ -188,14 +188,16 @@ async def test_an_answer_leaves_out_what_the_caller_holds(
         pb.QuorumRequest(replica_id="a", incarnation=inc, step=0), metadata=auth
     )
     assert first.members_form == pb.MEMBERS_FORM_FULL
-    assert first.members[0].ranks[0].ftar == "127.0.0.1:1"
+    assert [m.replica_id for m in first.members] == ["a"]
+    assert first.endpoints[0].replica_id == "a"
+    assert first.endpoints[0].ranks[0].ftar == "127.0.0.1:1"
     same = await stub.Quorum(
         pb.QuorumRequest(replica_id="a", incarnation=inc, step=1, known_quorum_id=first.quorum_id),
         metadata=auth,
     )
     assert same.quorum_id == first.quorum_id
     assert same.members_form == pb.MEMBERS_FORM_SAME
-    assert len(same.members) == 0 and len(same.lagging) == 0
+    assert len(same.members) == 0 and len(same.lagging) == 0 and len(same.endpoints) == 0
     assert same.ByteSize() < 128  # ids, step, form and the reason for the logs
     unknown = await stub.Quorum(  # a quorum id this server never answered: everything again
         pb.QuorumRequest(
@@ -203,7 +205,7 @@ async def test_an_answer_leaves_out_what_the_caller_holds(
         ),
         metadata=auth,
     )
-    assert unknown.members_form == pb.MEMBERS_FORM_FULL and unknown.members[0].ranks
+    assert unknown.members_form == pb.MEMBERS_FORM_FULL and unknown.endpoints[0].ranks
     async with AsyncQuorumClient(quorum_server.address, token) as client:
         inc_b = await client.join("b", [RANK])
         raw_answers: list[pb.QuorumResponse] = []
@@ -225,12 +227,15 @@ async def test_an_answer_leaves_out_what_the_caller_holds(
             raw_answers.append(answer)
             assert quorum.member("b").ranks == (RANK,)
             assert quorum.member("a").ranks[0].ftar == "127.0.0.1:1"
-        assert client._endpoints.known_quorum_id == quorum.quorum_id
-    delta, steady = raw_answers
-    # a held the quorum of itself alone: only the newcomer's endpoints travel.
-    assert delta.members_form == pb.MEMBERS_FORM_DELTA
-    assert [(m.replica_id, len(m.ranks)) for m in delta.members] == [("a", 0), ("b", 1)]
+        assert client._endpoints.known_quorum_id("b") == quorum.quorum_id
+    changed, steady = raw_answers
+    # A new membership: every member, with the endpoints of a's new neighbour b only (a held
+    # its own, from the quorum of itself alone).
+    assert changed.members_form == pb.MEMBERS_FORM_FULL
+    assert [m.replica_id for m in changed.members] == ["a", "b"]
+    assert [e.replica_id for e in changed.endpoints] == ["b"]
     assert steady.members_form == pb.MEMBERS_FORM_SAME and len(steady.members) == 0
+    assert len(steady.endpoints) == 0
 
 
 async def test_graceful_stop_releases_waiters_and_is_idempotent(

@@ -1,9 +1,9 @@
-"""Wire mapping: a quorum survives encode/decode, what the caller holds is left out (a steady
-answer is O(1) bytes), errors map back."""
+"""Wire mapping: a quorum survives encode/decode, each caller gets the endpoints it needs and no
+others (a steady answer is O(1) bytes, a new membership O(replicas) small entries), errors map
+back."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import replace
 from datetime import timedelta
 from types import MappingProxyType
@@ -19,6 +19,7 @@ from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.core import assign_sources
 from fthsdp.services.quorum.domain import (
     ERROR_WIRE,
+    SOURCES_PER_RANK,
     AuthError,
     InternalError,
     Member,
@@ -58,24 +59,89 @@ def _quorum() -> Quorum:
 
 
 def _wire(
-    quorum: Quorum, form: codec.MembersForm = codec.FULL, held: Collection[tuple[str, int]] = ()
+    quorum: Quorum, form: codec.MembersForm = codec.FULL, caller: str = "a"
 ) -> pb.QuorumResponse:
-    """The answer as a caller receives it (encoded, then parsed)."""
-    message = codec.quorum_to_pb(quorum, form=form, held=held)
-    return pb.QuorumResponse.FromString(message.SerializeToString())
+    """The answer as `caller` receives it: the shared part, then its endpoints (encoded, then
+    parsed)."""
+    shared = codec.quorum_to_pb(quorum, form=form).SerializeToString()
+    # A SAME answer's caller holds its ring in this quorum already (see services/quorum/answers).
+    held = quorum.ring_of(caller) if form == codec.SAME else ()
+    return pb.QuorumResponse.FromString(shared + codec.endpoints_to_pb(quorum, caller, held=held))
 
 
-def test_quorum_round_trips_with_endpoints() -> None:
+def _stripped(quorum: Quorum) -> Quorum:
+    return replace(quorum, members=tuple(replace(m, ranks=()) for m in quorum.members))
+
+
+def _as_received(msg: pb.QuorumResponse, known: Quorum | None = None) -> Quorum:
+    return codec.with_endpoints(codec.quorum_from_pb(msg, known), codec.endpoints_from_pb(msg))
+
+
+def test_quorum_round_trips_with_the_endpoints_its_caller_needs() -> None:
     quorum = _quorum()
-    decoded = codec.quorum_from_pb(_wire(quorum), None)
-    assert decoded == quorum
-    assert decoded.member("c").ranks[2].ftar == "c:9002"
+    # c recovers (sources a, b, d) and sits between b and d in the ring.
+    msg = _wire(quorum, caller="c")
+    assert codec.quorum_from_pb(msg, None) == _stripped(quorum)
+    decoded = _as_received(msg)
+    assert [m.replica_id for m in decoded.members if m.ranks] == ["a", "b", "c", "d"]
+    assert decoded.member("c").ranks == quorum.member("c").ranks
+    assert decoded.member("a").ranks[2].ftar == "a:9002"
+    assert decoded.member("e").ranks == ()
     assert decoded.is_healthy("d")
     assert not decoded.is_healthy("e")
     assert decoded.num_healthy == 3
     assert decoded.recovering == ("c", "e")
+    assert decoded.sources == quorum.sources
     with pytest.raises(KeyError):
         decoded.member("zz")
+
+
+def test_each_caller_gets_the_endpoints_of_itself_and_its_ring_neighbours_only() -> None:
+    quorum = _quorum()
+    # The ring is a b c d e: a's neighbours are e (wrapping around) and b.
+    assert [e.replica_id for e in _wire(quorum, caller="a").endpoints] == ["a", "b", "e"]
+    assert [e.replica_id for e in _wire(quorum, caller="b").endpoints] == ["a", "b", "c"]
+    # Every caller of a round shares everything but its endpoints.
+    assert codec.quorum_from_pb(_wire(quorum, caller="a"), None) == codec.quorum_from_pb(
+        _wire(quorum, caller="d"), None
+    )
+    pair = replace(quorum, members=quorum.members[:2], healthy=("a", "b"), sources={})
+    assert [e.replica_id for e in _wire(pair, caller="a").endpoints] == ["a", "b"]
+    # What the caller holds already stays out.
+    msg = pb.QuorumResponse.FromString(codec.endpoints_to_pb(quorum, "a", held=("a", "e")))
+    assert [e.replica_id for e in msg.endpoints] == ["b"]
+    alone = replace(pair, members=pair.members[:1], healthy=("a",))
+    assert [e.replica_id for e in _wire(alone, caller="a").endpoints] == ["a"]
+
+
+def test_a_recovering_rank_fetches_from_a_few_sources_and_gets_their_endpoints_only() -> None:
+    members = tuple(
+        Member(
+            replica_id=f"r{i:02d}", incarnation=1, step=0 if i == 5 else 9, ranks=_ranks(f"h{i}", 2)
+        )
+        for i in range(12)
+    )
+    healthy = tuple(m.replica_id for m in members if m.step == 9)
+    quorum = Quorum(
+        quorum_id=4,
+        members=members,
+        max_step=9,
+        healthy=healthy,
+        sources=MappingProxyType(assign_sources(healthy, [("r05", 2)])),
+    )
+    decoded = _as_received(_wire(quorum, caller="r05"))
+    per_rank = decoded.sources["r05"]
+    assert [len(s) for s in per_rank] == [SOURCES_PER_RANK, SOURCES_PER_RANK]
+    assert per_rank[0][0] != per_rank[1][0]  # the ranks start at different sources
+    wanted = {"r04", "r05", "r06"} | {rid for s in per_rank for rid in s}
+    assert {m.replica_id for m in decoded.members if m.ranks} == wanted
+    assert len(wanted) < len(members)
+    # A steady answer to the recovering replica carries its sources' endpoints again (they
+    # follow the healthy set, which may grow within a quorum); to a healthy one, none.
+    same = _wire(quorum, codec.SAME, caller="r05")
+    sources = {rid for s in per_rank for rid in s}
+    assert {e.replica_id for e in same.endpoints} == sources - {"r04", "r06"}  # its ring's held
+    assert not _wire(quorum, codec.SAME, caller="r00").endpoints
 
 
 def test_same_quorum_sends_only_the_lagging_members_and_restores_the_rest() -> None:
@@ -91,14 +157,14 @@ def test_same_quorum_sends_only_the_lagging_members_and_restores_the_rest() -> N
         healthy=("a", "b", "c", "d", "e"),
         sources=MappingProxyType({}),
     )
-    assert codec.quorum_from_pb(msg, earlier) == quorum
+    assert codec.quorum_from_pb(msg, earlier) == _stripped(quorum)
     with pytest.raises(KeyError):  # the caller holds another quorum id: it must ask again
         codec.quorum_from_pb(msg, replace(earlier, quorum_id=11))
     with pytest.raises(KeyError):
         codec.quorum_from_pb(msg, None)
 
 
-def test_a_steady_answer_stays_small_whatever_the_number_of_members() -> None:
+def test_no_answer_grows_with_replicas_times_ranks() -> None:
     members = tuple(
         Member(replica_id=f"replica-{i:04d}", incarnation=i + 1, step=7, ranks=_ranks(f"h{i}", 64))
         for i in range(1536)
@@ -106,43 +172,27 @@ def test_a_steady_answer_stays_small_whatever_the_number_of_members() -> None:
     big = Quorum(
         quorum_id=3, members=members, max_step=7, healthy=tuple(m.replica_id for m in members)
     )
-    assert len(codec.quorum_to_pb(big, form=codec.SAME).SerializeToString()) < 32
-    # Without the known quorum every member's endpoints travel: megabytes.
-    assert len(codec.quorum_to_pb(big).SerializeToString()) > 3_000_000
+    assert len(_wire(big, codec.SAME, caller="replica-0007").SerializeToString()) < 32
+    # A new membership lists every member, with the endpoints of three: tens of kilobytes, where
+    # every member's endpoints would be 4.4 MB for each caller.
+    full = _wire(big, caller="replica-0007").SerializeToString()
+    assert len(full) < 80_000
+    assert len(codec.quorum_to_pb(big).SerializeToString()) < 50_000
 
 
-def test_delta_carries_only_the_endpoints_the_caller_lacks() -> None:
+def test_endpoints_of_another_incarnation_or_a_non_member_are_not_taken() -> None:
     quorum = _quorum()
-    # The caller's quorum had c at an older incarnation and no e at all.
-    held = {(m.replica_id, m.incarnation) for m in quorum.members if m.replica_id not in "ce"}
-    held.add(("c", 99))
-    msg = _wire(quorum, codec.DELTA, held)
-    assert {m.replica_id for m in msg.members if m.ranks} == {"c", "e"}
-    assert [m.replica_id for m in msg.members] == ["a", "b", "c", "d", "e"]
-    known = replace(
-        quorum,
-        quorum_id=10,
-        members=tuple(
-            replace(m, incarnation=99, ranks=_ranks("old", 3)) if m.replica_id == "c" else m
-            for m in quorum.members
-            if m.replica_id != "e"
-        ),
-    )
-    decoded = codec.quorum_from_pb(msg, known)
-    assert decoded == quorum
-    assert decoded.member("c").ranks == _ranks("c", 3)  # the new incarnation's, not the held ones
-    # A caller that does not hold a member left out cannot decode it.
-    lacking = replace(known, members=tuple(m for m in known.members if m.replica_id != "a"))
-    with pytest.raises(KeyError):
-        codec.quorum_from_pb(msg, lacking)
-    stale_a = replace(
-        known,
-        members=tuple(
-            replace(m, incarnation=0) if m.replica_id == "a" else m for m in known.members
-        ),
-    )
-    with pytest.raises(KeyError):
-        codec.quorum_from_pb(msg, stale_a)
+    msg = _wire(quorum, caller="a")
+    held = codec.endpoints_from_pb(msg)
+    held["b"] = (99, _ranks("old", 3))
+    held["zz"] = (1, _ranks("zz", 3))
+    decoded = codec.with_endpoints(codec.quorum_from_pb(msg, None), held)
+    assert decoded.member("b").ranks == ()
+    assert decoded.member("a").ranks == quorum.member("a").ranks
+    twice = _wire(quorum, caller="a")
+    twice.endpoints.add(replica_id="a", incarnation=1)
+    with pytest.raises(InternalError):
+        codec.endpoints_from_pb(twice)
 
 
 def test_lagging_names_outside_the_quorum_are_refused() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -44,6 +45,40 @@ def test_each_rank_gets_its_own_ring_and_sources() -> None:
     second = decode_plan(encode_quorum(QUORUM, "r1"), replica_id="r1", rank=1)
     assert [s.replica_id for s in second.sources] == ["r2", "r0"]  # rank 1 starts elsewhere
     assert second.sources[0].url == "http://r2-ckpt"
+
+
+def test_a_rank_of_a_large_ring_knows_its_neighbours_and_sources_only() -> None:
+    """What the quorum service sends (`Quorum.needed_by`): every member, the endpoints of a
+    few. The plan leaves the others' addresses empty, which the ring accepts for the members
+    it never connects to."""
+    members = tuple(_member(f"r{i}", 2 if i == 3 else 5) for i in range(8))
+    full = Quorum(
+        quorum_id=9,
+        members=members,
+        max_step=5,
+        healthy=tuple(m.replica_id for m in members if m.step == 5),
+        sources={"r3": (("r5", "r6"), ("r6", "r7"))},
+    )
+    needed = set(full.needed_by("r3"))
+    assert needed == {"r2", "r3", "r4", "r5", "r6", "r7"}
+    received = replace(
+        full,
+        members=tuple(m if m.replica_id in needed else replace(m, ranks=()) for m in members),
+    )
+    plan = decode_plan(encode_quorum(received, "r3"), replica_id="r3", rank=1)
+    # Its sources' addresses came with their endpoints; r0 and r1 it knows nothing of.
+    assert plan.ring == ("", "", *(f"r{i}-ftar-1:1" for i in range(2, 8)))
+    assert plan.ring_replicas == tuple(f"r{i}" for i in range(8))
+    assert [s.url for s in plan.sources] == ["http://r6-ckpt", "http://r7-ckpt"]
+    # Without a neighbour's endpoints there is no ring to join: refused, not joined with a hole.
+    holed = replace(
+        received,
+        members=tuple(
+            replace(m, ranks=()) if m.replica_id == "r4" else m for m in received.members
+        ),
+    )
+    with pytest.raises(ValueError, match="neighbours"):
+        decode_plan(encode_quorum(holed, "r3"), replica_id="r3", rank=0)
 
 
 def test_a_healthy_source_knows_it_serves_and_fetches_nothing() -> None:

@@ -45,14 +45,19 @@ class Reconfigurer(Acceptor):
         ring = tuple(peers)
         if not 1 <= len(ring) <= self.config.max_ring_size:
             raise FatalFtarError(f"ring size must be in [1, {self.config.max_ring_size}]")
-        for p in ring:
+        if not isinstance(my_index, int) or not 0 <= my_index < len(ring):
+            raise FatalFtarError(f"my_index {my_index!r} out of range for {len(ring)} peers")
+        # This rank talks to its neighbours only: the others may be "" (unknown here).
+        talks_to = {my_index, (my_index - 1) % len(ring), (my_index + 1) % len(ring)}
+        for i, p in enumerate(ring):
+            if not p and i not in talks_to:
+                continue
             conn.parse_address(p)
             if len(p.encode()) > wire.MAX_ADDRESS_BYTES:
                 raise FatalFtarError(f"address too long: {p!r}")
-        if len(set(ring)) != len(ring):
+        known = [p for p in ring if p]
+        if len(set(known)) != len(known):
             raise FatalFtarError(f"duplicate addresses in ring {ring}")
-        if not isinstance(my_index, int) or not 0 <= my_index < len(ring):
-            raise FatalFtarError(f"my_index {my_index!r} out of range for {len(ring)} peers")
         if not isinstance(epoch, int) or not 0 <= epoch < 1 << 63:
             raise FatalFtarError(f"epoch must be an int in [0, 2**63), got {epoch!r}")
         cur = self._topo

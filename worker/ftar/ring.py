@@ -199,7 +199,9 @@ class FtarRing(Reconfigurer, RingSteps):
         )
 
     def reconfigure(self, peers: Sequence[str], my_index: int, epoch: int) -> None:
-        """Join the ring ``peers`` (listener addresses in ring order) at ``my_index``.
+        """Join the ring ``peers`` (listener addresses in ring order) at ``my_index``. A rank
+        connects only to its two neighbours, so the other peers may be ``""`` where this rank
+        does not know them (the quorum service tells each rank only its neighbours').
 
         Blocks until both neighbour connections are up (at most ``connect_timeout``); keeps
         connections whose neighbour did not change. Same epoch and same ring: no-op while healthy,
