@@ -10,7 +10,8 @@ Phases, each bounded by a deadline so the harness always finishes and says what 
 0. one hop of the replica's notice relay, on the real code (bench.scale_relay).
 1. setup: every leader joins with its ranks' endpoints (and beats from then on) and opens its
    Watch stream; its ranks hear events through the relay tree, a measured hop per level.
-2. rounds: one round that ships every endpoint, then `--rounds` steady rounds back to back:
+2. rounds: the first round (every member, and the endpoints of each leader's ring neighbours),
+   then `--rounds` steady rounds back to back:
    server-side p50/p99 (last ask -> every participant answered, measured by the service),
    client-side (last request sent -> last answer), the service's CPU seconds per round (from
    /proc), the bytes of the answers (QuorumResponse sizes as received).

@@ -195,8 +195,11 @@ class SideLoop:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     def close(self) -> None:
+        """Stops the loop and closes it (its selector and self-pipe with it)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 @dataclass(slots=True)

@@ -143,7 +143,8 @@ class Emulator:
 
     async def rounds(self, count: int, deadline_s: float, phase: str) -> dict[str, Any]:
         """`count` consecutive steps: each leader asks for the next step as soon as it has its
-        plan for this one (the first round of a job ships every endpoint)."""
+        plan for this one (the first round of a job lists every member, with the endpoints
+        each leader needs)."""
         self.cache.phase = phase
         self.ranks.foreign_evictions.clear()
         alive = [rep for rep in self.replicas.values() if rep.alive]
@@ -239,9 +240,14 @@ class Emulator:
         mine = [rep for rep in self.replicas.values() if rep.armed]
         timeout_at = death + self.plan.settings.exchange_timeout_s
         expected = frozenset(replica_name(r) for r in survivors)
+        deliveries: list[tuple[Replica, Quorum, float]] = []
         await asyncio.gather(
-            *(self._recover(rep, victim, expected, timeout_at, end) for rep in mine)
+            *(self._recover(rep, victim, expected, timeout_at, end, deliveries) for rep in mine)
         )
+        # The plan work after the leaders had their quorums, so that one leader's does not
+        # delay another's answer (each is its own host in a job); stamped from each arrival.
+        for rep, quorum, arrived in deliveries:
+            self.ranks.deliver(rep, quorum, arrived)
         ring = ring_order(survivors)
         return {
             "first_seen": self.ranks.first_seen.get(victim.replica_id),
@@ -250,7 +256,13 @@ class Emulator:
         }
 
     async def _recover(
-        self, rep: Replica, victim: Victim, expected: frozenset[str], timeout_at: float, end: float
+        self,
+        rep: Replica,
+        victim: Victim,
+        expected: frozenset[str],
+        timeout_at: float,
+        end: float,
+        deliveries: list[tuple[Replica, Quorum, float]],
     ) -> None:
         """The survivor's path: its vote fails once all its ranks aborted (or timed out), its
         leader asks again with `commit_failed`, and then goes on stepping (an exchange on a
@@ -281,7 +293,7 @@ class Emulator:
             if math.isnan(rep.first_at):
                 rep.first_at = now
             rep.epochs += 1
-            self.ranks.deliver(rep, quorum)
+            deliveries.append((rep, quorum, now))
             if members == expected:
                 rep.leader_at = now
                 rep.armed = False

@@ -62,6 +62,7 @@ class Harness:
         mine, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(target=target, args=(theirs, *args), daemon=True, name=name)
         proc.start()
+        theirs.close()  # the child has its own; ours would keep the pipe open past its death
         self.procs[name], self.conns[name] = proc, mine
         return mine
 
@@ -196,9 +197,12 @@ class Harness:
         return _reply(self.conns[service], seq, 60.0)
 
     def kill(self) -> None:
+        """Kills whatever process is left and closes every pipe."""
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()
+        for conn in self.conns.values():
+            conn.close()
 
     def stop(self) -> dict[str, Any]:
         """Stops the clients (their final counters), the agents and the services."""

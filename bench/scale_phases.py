@@ -54,7 +54,7 @@ def rounds_result(
     service_cpu_s: float | None,
     rounds: int,
 ) -> dict[str, Any]:
-    """The round that ships every endpoint, then the steady rounds."""
+    """The first round (every member, the endpoints each leader needs), then steady rounds."""
     first_ok, steady_ok = _ok(first), _ok(steady)
     leaders = sum(a["leaders"] for a in steady_ok)
     client = rounds_of([a["steps"] for a in steady_ok]) if steady_ok else []

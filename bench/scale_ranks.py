@@ -224,9 +224,14 @@ class Ranks:
             size = self._sizes[key] = codec.event_to_pb(event).ByteSize()
         return size
 
-    def deliver(self, rep: Replica, quorum: Quorum) -> bool:
+    def deliver(self, rep: Replica, quorum: Quorum, arrived: float | None = None) -> bool:
         """The leader's broadcast and every rank's plan: in the steady state only max_step
-        moves; otherwise each live rank derives its ring neighbours. True if the ring changed."""
+        moves; otherwise each live rank derives its ring neighbours. True if the ring changed.
+
+        With `arrived` (when the leader got `quorum`), its ranks hold the ring at `arrived` plus
+        the CPU time this plan work took here: each leader does it on its own host in a job,
+        while here the leaders of a process take turns."""
+        cpu = time.thread_time()
         payload = self.plans.payload(quorum, rep.name, rep.encoded)
         rep.encoded = (quorum, payload)
         if self.plans.steady(rep.sent, payload) is not None:
@@ -239,10 +244,11 @@ class Ranks:
             members[position - 1]["ranks"],
             members[(position + 1) % len(members)]["ranks"],
         )
+        at = time.monotonic() if arrived is None else arrived + time.thread_time() - cpu
         for i in range(self.shape.ranks):
             if rep.rank_alive[i]:
                 rep.neighbours[i] = (before[i][0], after[i][0])
-                rep.ring_at[i] = time.monotonic()
+                rep.ring_at[i] = at
         return True
 
     def outcome(self, rep: Replica, ring: list[int], detail: bool) -> dict[str, Any]:

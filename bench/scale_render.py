@@ -94,7 +94,7 @@ def _rounds(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         f"{'  service CPU per steady round':<{W}}{_f(r['service_cpu_ms_per_round'], '.2f'):>10} ms",
         f"{'  answers per steady round (on the wire)':<{W}}{_mb(r['bytes_per_round']):>10}"
         f"   ({_f(per, ',.0f')} B per leader)",
-        f"{'  first round (ships every endpoint)':<{W}}{_f(first['client_s'], '.3f'):>10} s"
+        f"{'  first round (neighbourhoods)':<{W}}{_f(first['client_s'], '.3f'):>10} s"
         f"   {_mb(first['bytes'])} to {first['responses']:,} leaders",
     ]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Literal, TypeAlias
@@ -64,7 +64,7 @@ HeldEndpoints: TypeAlias = Mapping[str, tuple[int, tuple[RankEndpoint, ...]]]
 def quorum_to_pb(quorum: Quorum, *, form: MembersForm = FULL) -> pb.QuorumResponse:
     """A quorum as sent to every participant of its round, the same bytes for all: FULL lists
     every member, SAME none (the caller's known quorum has this id), only the members below
-    max_step (`lagging`). The endpoints each caller needs go apart (`endpoints_to_pb`).
+    max_step (`lagging`). The endpoints each caller needs are appended (`endpoints_to_pb`).
 
     Sources travel as the index of each rank's first source in `healthy`: every source list
     is a `source_rotation` of `healthy`, so per step the message stays O(replicas + recovering
@@ -99,22 +99,16 @@ def quorum_to_pb(quorum: Quorum, *, form: MembersForm = FULL) -> pb.QuorumRespon
     return message
 
 
-def endpoints_to_pb(quorum: Quorum, replica_id: str, *, held: Collection[str] = ()) -> bytes:
-    """What completes the answer to `replica_id` (appended to `quorum_to_pb`'s bytes: a message
-    concatenated with another is their merge): the endpoints of the members it needs
-    (`Quorum.needed_by`) except those it `held` already."""
-    needed = [rid for rid in quorum.needed_by(replica_id) if rid not in held]
-    if not needed:
-        return b""
-    members = [quorum.member(rid) for rid in needed]
-    return pb.QuorumResponse(
-        endpoints=[
-            pb.MemberEndpoints(
-                replica_id=m.replica_id, incarnation=m.incarnation, ranks=ranks_to_pb(m.ranks)
-            )
-            for m in members
-        ]
-    ).SerializeToString()
+def endpoints_to_pb(member: Member) -> bytes:
+    """A member's endpoints as a part of an answer: a `QuorumResponse` holding only them, so
+    that answers are concatenations (a message concatenated with another is their merge, and a
+    repeated field's entries keep their order)."""
+    entry = pb.MemberEndpoints(
+        replica_id=member.replica_id,
+        incarnation=member.incarnation,
+        ranks=ranks_to_pb(member.ranks),
+    )
+    return pb.QuorumResponse(endpoints=[entry]).SerializeToString()
 
 
 def quorum_from_pb(msg: pb.QuorumResponse, known: Quorum | None) -> Quorum:

@@ -34,6 +34,7 @@ from fthsdp.services.quorum.domain import (
 )
 from fthsdp.services.quorum.errors import NotLeaderError
 from fthsdp.services.quorum.server import status_for
+from tests.unit.quorum_answer_support import answer
 
 
 def _ranks(host: str, n: int) -> tuple[RankEndpoint, ...]:
@@ -63,10 +64,8 @@ def _wire(
 ) -> pb.QuorumResponse:
     """The answer as `caller` receives it: the shared part, then its endpoints (encoded, then
     parsed)."""
-    shared = codec.quorum_to_pb(quorum, form=form).SerializeToString()
     # A SAME answer's caller holds its ring in this quorum already (see services/quorum/answers).
-    held = quorum.ring_of(caller) if form == codec.SAME else ()
-    return pb.QuorumResponse.FromString(shared + codec.endpoints_to_pb(quorum, caller, held=held))
+    return answer(quorum, caller, form, quorum.ring_of(caller) if form == codec.SAME else ())
 
 
 def _stripped(quorum: Quorum) -> Quorum:
@@ -108,8 +107,7 @@ def test_each_caller_gets_the_endpoints_of_itself_and_its_ring_neighbours_only()
     pair = replace(quorum, members=quorum.members[:2], healthy=("a", "b"), sources={})
     assert [e.replica_id for e in _wire(pair, caller="a").endpoints] == ["a", "b"]
     # What the caller holds already stays out.
-    msg = pb.QuorumResponse.FromString(codec.endpoints_to_pb(quorum, "a", held=("a", "e")))
-    assert [e.replica_id for e in msg.endpoints] == ["b"]
+    assert [e.replica_id for e in answer(quorum, "a", codec.FULL, ("a", "e")).endpoints] == ["b"]
     alone = replace(pair, members=pair.members[:1], healthy=("a",))
     assert [e.replica_id for e in _wire(alone, caller="a").endpoints] == ["a"]
 
