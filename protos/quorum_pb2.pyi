@@ -414,11 +414,12 @@ class QuorumResponse(_message.Message):
 
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberEndpoints]:
-        """The endpoints of the members this caller needs, in replica_id order: in a FULL answer
-        itself and its two ring neighbours (rank i of a replica exchanges only with rank i of the
-        members before and after it), and in any answer, when the caller recovers, its sources.
-        Per caller, so no answer grows with replicas x ranks: at 1,536 replicas of 64 ranks every
-        member's endpoints would be 4.4 MB for each of the 1,536 leaders.
+        """The endpoints of the members this caller needs and does not hold yet, in replica_id order.
+        It needs its own, its two ring neighbours' (rank i of a replica exchanges only with rank i
+        of the members before and after it) and, when it recovers, its sources'. It holds its ring
+        in its known quorum (at the same incarnations) and, under the same quorum id, what the
+        previous round sent it. Per caller, so no answer grows with replicas x ranks: at 1,536
+        replicas of 64 ranks every member's endpoints were 4.4 MB for each of the 1,536 leaders.
         """
 
     def __init__(
