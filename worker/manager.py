@@ -382,7 +382,8 @@ class Manager:
                 starting=lambda: self._faults.hit("exchange", self.step),
             )
         seconds["exchange"] += time.monotonic() - t0
-        self._telemetry.exchange_left(self._ring.stats(), plan.left_of(self.config.replica_id))
+        if self._telemetry.enabled:  # the ring's counters and left neighbour: for it alone
+            self._telemetry.exchange_left(self._ring.stats(), plan.left_of(self.config.replica_id))
         fetched = None
         if fetch is not None and error is not None:
             # This attempt fails anyway: do not wait out the fetch (its sources may be on
