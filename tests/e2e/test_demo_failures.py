@@ -120,14 +120,21 @@ def test_overlapping_failures_stall_the_survivors_no_longer_than_a_lone_one(
 def test_peer_dying_mid_exchange_retries_without_recompute(
     demo: DemoRunner, tmp_path: Path
 ) -> None:
-    """The retry-exchange path: r1 dies inside step 15's exchange; the survivors' step 15
-    commits on a new quorum in the same call (attempts > 1: no new forward/backward). I1, I2."""
-    report = demo(faults="r1:0:15:exchange", duration=timedelta(seconds=15))
+    """The retry-exchange path: r1 dies inside its first exchange; a survivor that was in it
+    commits that step on a new quorum in the same call (attempts > 1: no new forward/backward),
+    and so does the other survivor, without r1. I1, I2."""
+    # Its first exchange, not a fixed step: a replica that starts late on a loaded host joins
+    # the job as recovering, some steps in, and would never train a step chosen in advance.
+    report = demo(faults="r1:0:*:exchange", duration=timedelta(seconds=15))
     _assert_i1_i2(report)
-    step15 = [c for c in _commit_lines(tmp_path / "run") if c["step"] == 15]
-    survivors = [c for c in step15 if c["replica"] != "r1"]
-    assert survivors, "no survivor committed step 15"
-    assert all(c["attempts"] >= 2 for c in survivors), survivors
+    commits = _commit_lines(tmp_path / "run")
+    retried = [c for c in commits if c["replica"] != "r1" and c["attempts"] >= 2]
+    assert retried, "no survivor retried an exchange"
+    step = retried[0]["step"]
+    survivors = [c for c in commits if c["step"] == step and c["replica"] != "r1"]
+    assert {c["replica"] for c in survivors} == {"r0", "r2"}, survivors
+    # A survivor that asked after r1's eviction never saw the doomed quorum: its first
+    # attempt is the new one. Either way the step commits without r1.
     assert all("r1" not in c["healthy"] for c in survivors), survivors
 
 
