@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
+def die_with_parent(parent: int) -> Callable[[], None] | None:
     """A preexec function asking Linux to SIGTERM the child when `parent` dies."""
     if not sys.platform.startswith("linux"):
         return None
@@ -76,6 +76,22 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def terminate_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGCONT + SIGTERM to every running process (a stopped one could not act on it), SIGKILL
+    to those still running after `grace_s`; every one is reaped before this returns."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,7 +155,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()) if self.spec.die_with_parent else None,
+                preexec_fn=die_with_parent(os.getpid()) if self.spec.die_with_parent else None,
             )
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -223,10 +239,16 @@ class ServiceSupervisor:
                 raise TimeoutError("the stack was not ready in time")
             stop.wait(self._poll)
 
-    def supervise(self, stop: threading.Event) -> None:
-        """Restarts dead children until `stop` is set; raises GaveUp on a crash loop."""
+    def supervise(
+        self, stop: threading.Event, until: Callable[[float], bool] | None = None
+    ) -> None:
+        """Restarts dead children until `stop` is set or `until(now)`, asked every round after
+        the children's, says so; raises GaveUp on a crash loop."""
         while not stop.is_set():
-            self.tick(time.monotonic())
+            now = time.monotonic()
+            self.tick(now)
+            if until is not None and until(now):
+                return
             stop.wait(self._poll)
 
     def tick(self, now: float) -> None:

@@ -10,6 +10,9 @@ The worker library, for a training script (see the README's "Your own training l
     optimizer = fthsdp.OptimizerWrapper(manager)
     loader = fthsdp.ExactlyOnceDataLoader(dataset, manager, batch_size=..., num_workers=2)
 
+A script that may run as a warm spare calls `fthsdp.take_identity()` before
+`init_process_group` (see `fthsdp.worker.spare`).
+
 Names load on first use, so `import fthsdp.services.quorum` never imports torch. The services and
 launchers live under `fthsdp.services`, `fthsdp.deploy`; benchmarks under `fthsdp.bench`."""
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from fthsdp.worker.replica_group import ReplicaGroup
     from fthsdp.worker.rng_state import RNGState
     from fthsdp.worker.sampler import ExactlyOnceDataLoader, ExactlyOnceSampler
+    from fthsdp.worker.spare import take_identity
     from fthsdp.worker.state import Stateful
     from fthsdp.worker.step import StepOutcome, TooManyFailedCommits
 
@@ -44,6 +48,7 @@ _EXPORTS = {
     "Stateful": "fthsdp.worker.state",
     "TooManyFailedCommits": "fthsdp.worker.step",
     "lr_factor": "fthsdp.worker.config",
+    "take_identity": "fthsdp.worker.spare",
 }
 
 __all__ = [
@@ -60,6 +65,7 @@ __all__ = [
     "StepOutcome",
     "TooManyFailedCommits",
     "lr_factor",
+    "take_identity",
 ]
 
 

@@ -30,9 +30,10 @@ from fthsdp.deploy.demo.events import (
     RollbackEvent,
     SparesEvent,
 )
-from fthsdp.deploy.demo.spares import SparePool, assign
 from fthsdp.deploy.netns_demo import NETNS_KILL_MODES
-from fthsdp.deploy.processes import free_port
+from fthsdp.deploy.processes import free_port, terminate_all
+from fthsdp.deploy.spares import SparePool
+from fthsdp.worker.spare import Identity
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class ReplicaCommand:
         return [*prefix, *self.common_argv(), *self.identity(replica, rank, init_port)]
 
     def spare_argv(self) -> list[str]:
-        """A warm spare: everything but its identity, which it reads from stdin once taken."""
+        """A warm spare: everything but its identity, which it reads from its identity pipe once
+        taken (`fthsdp.worker.spare`)."""
         return [*self.common_argv(), "--spare"]
 
     def common_argv(self) -> list[str]:
@@ -239,8 +241,6 @@ class ReplicaCommand:
             self.checkpoint_urls[replica.replica_id],
             "--shm-dir",
             self.shm_dirs[replica.replica_id],
-            "--log-file",
-            str(self.run_dir / "logs" / f"{replica.replica_id}.log"),
             *self._health_args(replica),
             *self._ftar_args(replica),
         ]
@@ -301,9 +301,11 @@ class ReplicaSupervisor:
             tail = JsonlTail(log_path, strict=False)
             tail.skip_to_end()
             self._takeovers[replica.replica_id] = (tail, time.monotonic() + REFILL_HOLD_S)
-            for rank, proc in enumerate(taken):
-                assign(proc, self.command.identity(replica, rank, port))
-            replica.procs = taken
+            log_file = str(self._logs / f"{replica.replica_id}.log")
+            for rank, spare in enumerate(taken):
+                argv = self.command.identity(replica, rank, port)
+                spare.hand_over(Identity(argv=tuple(argv), log_file=log_file))
+            replica.procs = [spare.proc for spare in taken]
         else:
             out = (self._logs / f"{replica.replica_id}.log").open("ab")
             replica.procs = [
@@ -441,17 +443,6 @@ class ReplicaSupervisor:
         self.spares.stop()
         for replica in self.replicas:
             replica.unthrottle()
-        procs = [p for r in self.replicas for p in r.procs]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_all([p for r in self.replicas for p in r.procs], grace)
         for replica in self.replicas:
             replica.procs = []

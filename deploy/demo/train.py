@@ -34,6 +34,7 @@ from fthsdp.worker.optim import OptimizerWrapper
 from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.rng_state import RNGState
 from fthsdp.worker.sampler import ExactlyOnceDataLoader
+from fthsdp.worker.spare import take_identity
 from fthsdp.worker.step import StepOutcome
 
 log = logging.getLogger("fthsdp.demo")
@@ -135,11 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--spare",
         action="store_true",
-        help="a warm spare: import and build the model, then read the rest of the command line "
-        "(this rank's identity) as one JSON list from stdin; exit if stdin closes first",
-    )
-    p.add_argument(
-        "--log-file", type=Path, help="append stdout and stderr here (a spare that takes over)"
+        help="a warm spare: import and build the model, then wait for the rest of the command "
+        "line (this rank's identity) from the launcher (fthsdp.worker.spare; FTHSDP_SPARE_FDS)",
     )
     add_logging_flags(p)
     args = p.parse_args(argv)
@@ -158,29 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _take_identity(argv: list[str]) -> argparse.Namespace | None:
-    """A spare's wait: its full arguments once the launcher hands it an identity, or None when
-    the launcher closes the pipe instead (the pool is being emptied)."""
-    # The launcher starts the next spare only after this line; one taken before it was warm
-    # finds the pipe closed, and its identity is coming anyway.
-    with contextlib.suppress(BrokenPipeError):
-        print("warm", flush=True)
-    line = sys.stdin.readline()
-    if not line:
+    """A spare's wait: its full arguments once the launcher hands it an identity (which also
+    moves its output to the replica's log); None outside a spare."""
+    identity = take_identity()
+    if identity is None:
         return None
-    identity = json.loads(line)
-    if not isinstance(identity, list) or not all(isinstance(a, str) for a in identity):
-        raise SystemExit("a spare's identity must be a JSON list of strings")
-    args = parse_args([a for a in argv if a != "--spare"] + identity)
-    if args.log_file is not None:
-        fd = os.open(args.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    else:  # the launcher reads nothing more from the pipe
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, 1)
-        os.close(fd)
-    return args
+    return parse_args([a for a in argv if a != "--spare"] + list(identity.argv))
 
 
 def shard_replica(model: torch.nn.Module, group: ReplicaGroup) -> None:
@@ -233,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.spare:
         taken = _take_identity(argv)
         if taken is None:
-            return 0
+            raise SystemExit("--spare needs a launcher that keeps spares (FTHSDP_SPARE_FDS)")
         args = taken
     # Every line names the rank it came from: the replica's ranks share one log file.
     setup_logging(args, os.environ, fields={"replica_id": args.replica_id, "rank": args.rank})
