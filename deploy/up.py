@@ -41,11 +41,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from fthsdp.deploy.failure_reporter import FailureReporter
+from fthsdp.deploy.job import JobConfig, JobLauncher, job_summary, rank_env
 from fthsdp.deploy.processes import (
     GaveUp,
     ManagedProcess,
@@ -125,10 +127,16 @@ class _Signals:
         self.stop.set()
 
 
-def _state(stack: Stack, processes: Sequence[ManagedProcess], env_file: Path) -> str:
+def _state(
+    stack: Stack,
+    processes: Sequence[ManagedProcess],
+    env_file: Path,
+    job: JobLauncher | None = None,
+) -> str:
     return json.dumps(
         {
             "up_pid": os.getpid(),
+            "job": None if job is None else job.pids(),
             "env_file": str(env_file),
             "services": {
                 p.name: {
@@ -172,8 +180,9 @@ def _refuse_a_running_stack(state_file: Path) -> None:
         raise ValueError(f"fthsdp up (pid {pid}) already runs on {state_file.parent}")
 
 
-def run_up(config: UpConfig, out: TextIO | None = None) -> int:
-    """Runs the stack until SIGINT/SIGTERM (0) or a failure to start or a crash loop (1)."""
+def run_up(config: UpConfig, out: TextIO | None = None, job: JobConfig | None = None) -> int:
+    """Runs the stack until SIGINT/SIGTERM (0) or a failure to start or a crash loop (1); with
+    `job`, also the job's replicas (`deploy.job`), and the stack stops once the job finished (0)."""
     stream = out or sys.stdout
 
     def report(message: str) -> None:
@@ -196,8 +205,18 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
         stack.services,
         policy=RestartPolicy(max_failures_in_a_row=config.max_restarts),
         report=report,
-        on_start=lambda _: _write_atomic(state_file, _state(stack, supervisor.processes, env_file)),
+        on_start=lambda _: write_state(),
     )
+    launcher: JobLauncher | None = None
+    reporter: FailureReporter | None = None
+
+    def write_state() -> None:
+        _write_atomic(state_file, _state(stack, supervisor.processes, env_file, launcher))
+
+    def job_report(message: str) -> None:
+        report(message)
+        write_state()  # the job's pids changed
+
     code = 0
     try:
         supervisor.start_all()
@@ -209,13 +228,27 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
             for line in stack.summary:
                 print(f"  {line}", file=stream)
             print(f"  env file    {env_file}", file=stream)
-            print(_replica_hint(env_file, stack.env), file=stream, flush=True)
-            supervisor.supervise(signals.stop)
+            if job is None:
+                print(_replica_hint(env_file, stack.env), file=stream, flush=True)
+                supervisor.supervise(signals.stop)
+            else:
+                for line in job_summary(job):
+                    print(f"  {line}", file=stream, flush=True)
+                launcher, reporter = _job_launcher(job, stack, run_dir, job_report)
+                launcher.start_all()
+                write_state()
+                supervisor.supervise(signals.stop, until=launcher.poll)
+                if not signals.stop.is_set():
+                    report("the job finished")
     except (TimeoutError, RuntimeError, GaveUp) as exc:
         report(f"failed: {exc}")
         code = 1
     finally:
         report("stopping")
+        if launcher is not None:
+            launcher.stop_all(config.stop_grace.total_seconds())
+        if reporter is not None:
+            reporter.stop()
         env_file.unlink(missing_ok=True)
         supervisor.stop_all(config.stop_grace.total_seconds(), force=lambda: signals.force)
         signals.restore()
@@ -224,6 +257,20 @@ def run_up(config: UpConfig, out: TextIO | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
         report("stopped")
     return code
+
+
+def _job_launcher(
+    job: JobConfig, stack: Stack, run_dir: Path, report: Callable[[str], None]
+) -> tuple[JobLauncher, FailureReporter]:
+    """The launcher of the job's replicas against the stack, and the child that reports failed
+    ones to the quorum service (this process runs no gRPC: its children start with a pre-exec
+    step)."""
+    env = rank_env(stack.env)
+    reporter = FailureReporter(env, run_dir / "logs" / "failure_reporter.log")
+    launcher = JobLauncher(
+        job, env, run_dir / "logs", failures=reporter, report=report, die_with_parent=True
+    )
+    return launcher, reporter
 
 
 def replica_command(env: Mapping[str, str]) -> str:

@@ -7,6 +7,7 @@ import argparse
 from datetime import timedelta
 from pathlib import Path
 
+from fthsdp.deploy.job import JobConfig
 from fthsdp.deploy.up import run_up
 from fthsdp.deploy.up_plan import UpConfig
 from fthsdp.services.common import logs
@@ -130,6 +131,26 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--no-health", action="store_true",
         help="do not run the health service (ranks then send no telemetry)",
     )  # fmt: skip
+    p.add_argument(
+        "--replicas", type=int,
+        help="also run the job: this many replicas of the command after -- (each --ranks "
+        "processes given torchrun's variables and the env file's); a failed replica restarts, "
+        "and the stack stops once every replica finished",
+    )  # fmt: skip
+    p.add_argument("--ranks", type=int, default=1, help="rank processes per replica (default 1)")
+    p.add_argument(
+        "--spares", type=int, default=0,
+        help="warm spare processes of the command (it calls fthsdp.take_identity() after "
+        "building its model): a failed replica's ranks are taken over at once (default 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-delay-s", type=float, default=1.0,
+        help="wait before a failed replica starts fresh processes (default 1; spares: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "job_command", nargs=argparse.REMAINDER, metavar="-- CMD",
+        help="the rank's command (with --replicas)",
+    )  # fmt: skip
     p.add_argument("--log-level", help="passed to every service (e.g. INFO, DEBUG)")
     p.add_argument(
         "--log-format", choices=logs.FORMATS,
@@ -171,6 +192,25 @@ def run_up_command(args: argparse.Namespace) -> int:
         log_format=args.log_format,
     )
     try:
-        return run_up(config)
+        return run_up(config, job=job_of(args))
     except OSError as exc:
         raise ValueError(str(exc)) from exc
+
+
+def job_of(args: argparse.Namespace) -> JobConfig | None:
+    """The job to run beside the stack, if any (ValueError for a half-given one)."""
+    command = list(args.job_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if args.replicas is None:
+        if command or args.spares or args.ranks != 1:
+            raise ValueError("a command, --ranks and --spares need --replicas")
+        return None
+    return JobConfig(
+        command=tuple(command),
+        replicas=args.replicas,
+        ranks=args.ranks,
+        spares=args.spares,
+        restart_delay_s=args.restart_delay_s,
+        max_failures_in_a_row=args.max_restarts,
+    )

@@ -4,7 +4,10 @@
     FTHSDP_REPLICA_ID=r0 FTHSDP_REPLICA_INDEX=0 FTHSDP_TOTAL_REPLICAS=2 \\
         torchrun --nproc-per-node 2 --master-port 29500 examples/ddp_train_fthsdp.py
 
-and the same with r1 / index 1 (another --master-port) for the second replica."""
+and the same with r1 / index 1 (another --master-port) for the second replica. Or let `fthsdp up`
+run the replicas, with warm spares that take over a failed replica's ranks at once:
+
+    fthsdp up --replicas 2 --ranks 2 --spares 2 -- python examples/ddp_train_fthsdp.py"""
 
 import torch
 import torch.distributed as dist
@@ -15,6 +18,7 @@ import fthsdp
 
 def main() -> None:
     args = parse_args()
+    fthsdp.take_identity()  # a warm spare (fthsdp up --spares) waits here to become a rank
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = pick_device()

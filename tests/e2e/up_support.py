@@ -59,6 +59,11 @@ class Up:
         state: dict[str, Any] = json.loads((self.run_dir / "services.json").read_text())
         return dict(state["services"])
 
+    def job(self) -> dict[str, list[int]]:
+        """Replica id -> the pids of its running ranks, when `up` runs the job."""
+        state: dict[str, Any] = json.loads((self.run_dir / "services.json").read_text())
+        return dict(state["job"])
+
     def pid(self, name: str) -> int:
         return int(self.services()[name]["pid"])
 

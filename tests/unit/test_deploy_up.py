@@ -3,9 +3,12 @@ leader + standby rules, and the supervisor's restart policy on real short-lived 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import stat
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -13,8 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from fthsdp.deploy.processes import GaveUp, RestartPolicy, ServiceSpec, ServiceSupervisor
+from fthsdp.deploy.job import JobConfig
+from fthsdp.deploy.processes import (
+    GaveUp,
+    RestartPolicy,
+    ServiceSpec,
+    ServiceSupervisor,
+    terminate_all,
+)
 from fthsdp.deploy.up import ENV_FILE_NAME, ensure_token_file, render_env, run_up
+from fthsdp.deploy.up_cli import add_up_parser, job_of
 from fthsdp.deploy.up_plan import UpConfig, plan_stack
 from fthsdp.services.common.tokens import load_token
 
@@ -208,3 +219,58 @@ def test_a_second_launcher_on_a_live_run_dir_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="already runs"):
         run_up(UpConfig(run_dir=tmp_path))
     assert (tmp_path / "services.json").exists(), "the live launcher's state must stay"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--spares", "1"], "need --replicas"),
+        (["--", "python", "train.py"], "need --replicas"),
+        (["--replicas", "2"], "needs a command"),
+        (["--replicas", "0", "--", "x"], "at least 1"),
+        (["--replicas", "2", "--spares", "65", "--", "x"], "0..64"),
+        (["--replicas", "600", "--ranks", "2", "--", "x"], "at most 1024"),
+    ],
+)
+def test_a_half_given_job_is_refused(argv: list[str], error: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(ValueError, match=error):
+        job_of(parser.parse_args(["up", *argv]))
+
+
+def test_the_job_runs_the_command_after_the_double_dash(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers(dest="command"))
+    argv = ["up", "--replicas", "3", "--ranks", "2", "--spares", "2", "--max-restarts", "4"]
+    job = job_of(parser.parse_args([*argv, "--", "python", "train.py", "--steps", "5"]))
+    assert job == JobConfig(
+        command=("python", "train.py", "--steps", "5"),
+        replicas=3,
+        ranks=2,
+        spares=2,
+        restart_delay_s=1.0,
+        max_failures_in_a_row=4,
+    )
+    assert job_of(parser.parse_args(["up"])) is None
+
+
+def test_terminate_all_continues_stopped_processes_and_kills_stubborn_ones() -> None:
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", _IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True
+    )
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == "ready\n"
+    stopped.send_signal(signal.SIGSTOP)
+    terminate_all([stopped, stubborn], grace_s=0.5)
+    assert stopped.returncode == -signal.SIGTERM  # continued, then it acted on SIGTERM
+    assert stubborn.returncode == -signal.SIGKILL  # after the grace
+    stubborn.stdout.close()
+
+
+_IGNORES_SIGTERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
