@@ -13,10 +13,10 @@ incarnation), and the replica starts again as a new incarnation that catches up 
 With `spares`, warm spare processes of CMD wait for an identity (`fthsdp.worker.spare`: the script
 calls `fthsdp.take_identity()` after building its model, before `init_process_group`); a restart
 takes as many as the replica has ranks when that many are warm, at once, and otherwise starts fresh
-processes after `restart_delay_s`. The pool refills one spare at a time. A replica whose ranks all
-exit 0 is finished; the job is finished when every replica is. A replica failing
-`max_failures_in_a_row` times, each within `RestartPolicy.stable_after_s` of its start, is a crash
-loop (a bad command): the launcher gives up."""
+processes after `restart_delay_s`. The pool refills one spare at a time, not within `REFILL_HOLD_S`
+of a takeover. A replica whose ranks all exit 0 is finished; the job is finished when every replica
+is. A replica failing `max_failures_in_a_row` times, each within `RestartPolicy.stable_after_s` of
+its start, is a crash loop (a bad command): the launcher gives up."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 REPORT_WAIT_S = 3.0
 """Longest a failed replica's restart waits for its eviction report to be done."""
+REFILL_HOLD_S = 10.0
+"""How long a takeover holds back the pool's refill: a spare warming up takes a core for
+seconds, and started as the taken spares join it would slow their catch-up on a small host."""
 MAX_SPARES = 64
 MAX_PROCESSES = 1024
 """Ranks (replicas x ranks) one launcher starts on one host."""
@@ -127,6 +130,8 @@ class JobLauncher:
             config.spares, config.command, self._env, log_dir, preexec=self._preexec
         )
         self._warm_shown = -1
+        self._refill_at = 0.0
+        """The pool refills from then on (held back after a takeover)."""
 
     def start_all(self) -> None:
         self._logs.mkdir(parents=True, exist_ok=True)
@@ -137,7 +142,8 @@ class JobLauncher:
         """One round: reaps ranks, takes failed replicas down, restarts them when due, refills
         the pool. True once every replica finished."""
         if self.spares.size:
-            self.spares.refill()
+            if now >= self._refill_at:
+                self.spares.refill()
             warm = self.spares.warm
             if warm != self._warm_shown:
                 self._warm_shown = warm
@@ -217,6 +223,7 @@ class JobLauncher:
                 env = self.identity(replica, rank, port)
                 spare.hand_over(Identity(env=env, log_file=str(log_file)))
             replica.procs = [spare.proc for spare in taken]
+            self._refill_at = now + REFILL_HOLD_S
             self._report(f"replica {replica.replica_id} taken over by {len(taken)} warm spare(s)")
             return
         with log_file.open("ab") as out:

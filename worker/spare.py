@@ -14,8 +14,10 @@ given, takes the process's stdout and stderr from then on. From there the spare 
 incarnation of its replica like any restarted rank (I1-I6 unchanged). A launcher that closes the
 identity pipe without writing one is emptying its pool: the spare exits with status 0.
 
-Outside a spare (`FTHSDP_SPARE_FDS` unset) `take_identity()` returns None at once, so one script
-serves as both a fresh rank and a spare."""
+Outside a spare (`FTHSDP_SPARE_FDS` unset) `take_identity()` returns None, so one script serves
+as both a fresh rank and a spare. In both it first does the library's own share of the work that
+needs no identity (`warm_up`: the worker's imports, torch's one-time optimizer set-up), so that
+it is part of neither a spare's takeover nor a restarted rank's first step."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ MAX_IDENTITY_BYTES = 64 * 1024
 WARM_LINE = b"warm\n"
 """What a spare writes on its ready fd once it waits for an identity."""
 
+_warmed = False
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
@@ -80,10 +83,32 @@ def is_spare(environ: Mapping[str, str] | None = None) -> bool:
     return SPARE_FDS_ENV in (os.environ if environ is None else environ)
 
 
-def take_identity() -> Identity | None:
-    """In a spare: says it is warm, blocks until the launcher hands it an identity, applies it
-    (environment, log file) and returns it; exits (status 0) when the launcher empties its pool
-    instead. Elsewhere: None at once."""
+def warm_up() -> None:
+    """Pays, once per process, what the first step would otherwise pay before the rank checks
+    in: importing the Manager and its clients, and torch's lazy optimizer set-up (its first
+    optimizer step imports and compiles machinery: 0.4 s on a quiet host, seconds on a loaded
+    one)."""
+    global _warmed
+    if _warmed:
+        return
+    import torch
+
+    import fthsdp.worker.manager
+    import fthsdp.worker.optim
+    import fthsdp.worker.sampler  # noqa: F401 (imported for its cost, not its names)
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.zeros(1)
+    torch.optim.AdamW([param]).step()
+    _warmed = True
+
+
+def take_identity(*, warm: bool = True) -> Identity | None:
+    """Warms up (`warm_up`, unless `warm` is False), then in a spare: says it is warm, blocks
+    until the launcher hands it an identity, applies it (environment, log file) and returns it;
+    exits (status 0) when the launcher empties its pool instead. Elsewhere: None."""
+    if warm:
+        warm_up()
     raw = os.environ.get(SPARE_FDS_ENV)
     if raw is None:
         return None

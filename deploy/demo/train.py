@@ -34,7 +34,7 @@ from fthsdp.worker.optim import OptimizerWrapper
 from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.rng_state import RNGState
 from fthsdp.worker.sampler import ExactlyOnceDataLoader
-from fthsdp.worker.spare import take_identity
+from fthsdp.worker.spare import take_identity, warm_up
 from fthsdp.worker.step import StepOutcome
 
 log = logging.getLogger("fthsdp.demo")
@@ -177,14 +177,6 @@ def shard_replica(model: torch.nn.Module, group: ReplicaGroup) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def warm_up_optimizer() -> None:
-    """Pays the first optimizer's one-time cost before the rank checks in (torch sets up its
-    optimizer machinery lazily: about 0.4 s here, several times that on a loaded host), so that
-    it is part of neither a spare's takeover nor a restarted rank's first step."""
-    param = torch.nn.Parameter(torch.zeros(1))
-    torch.optim.AdamW([param]).step()
-
-
 def _stop_at(stop_file: Path | None) -> int:
     if stop_file is None:
         return -1
@@ -210,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         seed=args.seed,
     )
-    warm_up_optimizer()
+    warm_up()  # before the identity and the check-in, fresh rank or spare
     if args.spare:
         taken = _take_identity(argv)
         if taken is None:

@@ -17,7 +17,7 @@ from fthsdp.worker.spare import take_identity
 
 def main() -> int:
     where = Path(sys.argv[1])
-    identity = take_identity()
+    identity = take_identity(warm=False)  # no torch here: these ranks train nothing
     line = {
         "replica": os.environ["FTHSDP_REPLICA_ID"],
         "rank": int(os.environ["RANK"]),

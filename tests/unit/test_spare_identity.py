@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
 
+from fthsdp.worker import spare
 from fthsdp.worker.spare import MAX_IDENTITY_BYTES, Identity, is_spare, take_identity
 
 
@@ -49,11 +52,29 @@ def test_an_oversized_identity_is_refused_both_ways() -> None:
 def test_outside_a_spare_take_identity_returns_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FTHSDP_SPARE_FDS", raising=False)
     assert not is_spare()
-    assert take_identity() is None
+    assert take_identity(warm=False) is None
 
 
 def test_a_malformed_fd_pair_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FTHSDP_SPARE_FDS", "3")
     assert is_spare()
     with pytest.raises(ValueError, match="FTHSDP_SPARE_FDS"):
-        take_identity()
+        take_identity(warm=False)
+
+
+def test_take_identity_warms_up_once_outside_a_spare_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FTHSDP_SPARE_FDS", raising=False)
+    monkeypatch.setattr(spare, "_warmed", False)
+    steps = []
+    real = torch.optim.AdamW
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def step(self, closure: object = None) -> object:
+            steps.append(1)
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    assert take_identity() is None
+    assert take_identity() is None
+    assert steps == [1]  # torch's optimizer set-up paid once, before any identity
+    assert "fthsdp.worker.manager" in sys.modules
