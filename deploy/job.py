@@ -20,6 +20,7 @@ its start, is a crash loop (a bad command): the launcher gives up."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shlex
@@ -31,7 +32,13 @@ from pathlib import Path
 from typing import Protocol
 
 from fthsdp.deploy import processes
-from fthsdp.deploy.processes import GaveUp, RestartPolicy, free_port, terminate_all
+from fthsdp.deploy.processes import (
+    GaveUp,
+    RestartPolicy,
+    free_port,
+    kill_all,
+    terminate_all,
+)
 from fthsdp.deploy.spares import SparePool
 from fthsdp.worker.spare import Identity
 
@@ -123,7 +130,9 @@ class JobLauncher:
         self._logs = log_dir
         self._failures = failures
         self._report = report
-        self._stable_after_s = (policy or RestartPolicy()).stable_after_s
+        self._policy = dataclasses.replace(
+            policy or RestartPolicy(), max_failures_in_a_row=config.max_failures_in_a_row
+        )
         self.replicas = [_Replica(f"r{i}", i) for i in range(config.replicas)]
         self._preexec = processes.die_with_parent(os.getpid()) if die_with_parent else None
         self.spares = SparePool(
@@ -187,18 +196,14 @@ class JobLauncher:
             self._report(f"replica {replica.replica_id} finished")
 
     def _fail(self, replica: _Replica, reason: str, now: float) -> None:
-        for proc in replica.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in replica.procs:
-            proc.wait()
+        kill_all(replica.procs)
         replica.procs = []
         self._failures.send(replica.replica_id, reason)
         replica.reported_by = now + REPORT_WAIT_S
-        if now - replica.started_at >= self._stable_after_s:
-            replica.failures_in_a_row = 0
-        replica.failures_in_a_row += 1
-        if replica.failures_in_a_row > self._config.max_failures_in_a_row:
+        replica.failures_in_a_row = self._policy.count_failure(
+            replica.failures_in_a_row, now - replica.started_at
+        )
+        if replica.failures_in_a_row > self._policy.max_failures_in_a_row:
             raise GaveUp(
                 f"replica {replica.replica_id} failed {replica.failures_in_a_row} times in a row "
                 f"(last: {reason})"

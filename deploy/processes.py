@@ -78,6 +78,15 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def kill_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL to every running process; every one is reaped before this returns."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
 def terminate_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
     """SIGCONT + SIGTERM to every running process (a stopped one could not act on it), SIGKILL
     to those still running after `grace_s`; every one is reaped before this returns."""
@@ -188,6 +197,11 @@ class RestartPolicy:
     """Past this many failures in a row the launcher gives up (a crash loop: bad flags, a port
     taken); 0 means never restart."""
 
+    def count_failure(self, failures_in_a_row: int, ran_s: float) -> int:
+        """Failures in a row once a child that ran `ran_s` died; past `max_failures_in_a_row`
+        the launcher gives up."""
+        return (0 if ran_s >= self.stable_after_s else failures_in_a_row) + 1
+
     def delay(self, failures_in_a_row: int) -> float:
         return min(self.max_delay_s, self.first_delay_s * 2.0 ** max(0, failures_in_a_row - 1))
 
@@ -271,9 +285,9 @@ class ServiceSupervisor:
             self._schedule_restart(process, code, now)
 
     def _schedule_restart(self, process: ManagedProcess, code: int, now: float) -> None:
-        if now - process.started_at >= self._policy.stable_after_s:
-            process.failures_in_a_row = 0
-        process.failures_in_a_row += 1
+        process.failures_in_a_row = self._policy.count_failure(
+            process.failures_in_a_row, now - process.started_at
+        )
         if process.failures_in_a_row > self._policy.max_failures_in_a_row:
             raise GaveUp(
                 f"{process.name} exited ({describe_exit(code)}) {process.failures_in_a_row} "

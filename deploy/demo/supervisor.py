@@ -31,7 +31,7 @@ from fthsdp.deploy.demo.events import (
     SparesEvent,
 )
 from fthsdp.deploy.netns_demo import NETNS_KILL_MODES
-from fthsdp.deploy.processes import free_port, terminate_all
+from fthsdp.deploy.processes import free_port, kill_all, terminate_all
 from fthsdp.deploy.spares import SparePool
 from fthsdp.worker.spare import Identity
 
@@ -338,11 +338,7 @@ class ReplicaSupervisor:
 
     def _take_down(self, replica: Replica, reason: str) -> None:
         replica.unthrottle()
-        for proc in replica.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in replica.procs:
-            proc.wait()
+        kill_all(replica.procs)
         replica.procs = []
         self._on_failure(replica.replica_id, reason)
         if not self.stopping:
