@@ -64,6 +64,10 @@ REFILL_HOLD_S = 10.0
 seconds; started as the taken spares join, it would slow their catch-up on a small host, so the
 refill waits until the replica commits again (or this long, if it never does)."""
 
+AWAIT_REPLICAS_S = 30.0
+"""How long a replica's first launch waits for the job's other replicas to register before its
+first step (`deploy.demo.train --await-replicas-s`)."""
+
 SLOW_PERIOD_S = 12.0
 """How long `slow` throttles a replica: past the fail-slow detector's 5 s settle after a
 membership change plus its >= 5 steps spanning >= 2 s, with room for a loaded host."""
@@ -196,9 +200,11 @@ class ReplicaCommand:
     """Further flags for `deploy.demo.train`."""
 
     def argv(self, replica: Replica, rank: int, init_port: int) -> list[str]:
-        """The command line of a fresh rank process, on its replica's host."""
+        """The command line of a fresh rank process, on its replica's host; at the job's first
+        launch its leader waits for every replica before the first step (a restart never)."""
         prefix = self.prefixes.get(replica.replica_id, ())
-        return [*prefix, *self.common_argv(), *self.identity(replica, rank, init_port)]
+        start = ["--await-replicas-s", str(AWAIT_REPLICAS_S)] if replica.starts == 1 else []
+        return [*prefix, *self.common_argv(), *self.identity(replica, rank, init_port), *start]
 
     def spare_argv(self) -> list[str]:
         """A warm spare: everything but its identity, which it reads from its identity pipe once
