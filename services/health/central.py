@@ -175,6 +175,15 @@ class CentralEngine:
 
     def _node_state(self, state: NodeState) -> None:
         now = self._clock()
+        previous = self._nodes.get(state.node)
+        if state.node in self._lost_agents or (
+            previous is not None and state.dropped > previous.dropped
+        ):
+            # Records from this node were lost (its link to here was cut, or its agent dropped
+            # batches): a rank's exit from a collective may be among them, and a rank that
+            # left would be judged hung. Its ranks start afresh in every open collective.
+            for entry in state.ranks:
+                self.core.telemetry_gap(entry.rank)
         if state.node in self._lost_agents:
             self._lost_agents.discard(state.node)
             log.info("node agent %s is heard again", state.node, extra={"node": state.node})
@@ -190,7 +199,6 @@ class CentralEngine:
                     process=entry.process,
                 )
             )
-        previous = self._nodes.get(state.node)
         interval = None
         if previous is not None:
             gap = max(0.0, now - previous.last_seen)

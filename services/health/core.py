@@ -226,6 +226,13 @@ class HealthCore:
         """A replica's parameter digest at a step."""
         self._sdc.add(fp)
 
+    def telemetry_gap(self, rank: RankId) -> None:
+        """Some of the rank's records were lost on the way (its node agent dropped them): it is
+        taken out of every collective it is still open in, as a restarted rank is, since its
+        exit may be what was lost. Its next records enter it again; a hang that began in the
+        gap is found from those (its peers waiting on it in the next collective)."""
+        self._collectives.leave(rank)
+
     def rank_left(self, rank: RankId) -> None:
         """A clean exit: the rank is forgotten by every detector; its silence is no incident."""
         self._hold(self._clock + self._config.fail_slow_settle_s)

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from fthsdp.services.health.central import (
@@ -23,7 +24,13 @@ from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.store import InMemoryTelemetryStore
-from fthsdp.services.health.telemetry import Heartbeat, Incident, IncidentKind, RankId
+from fthsdp.services.health.telemetry import (
+    CollectiveRecord,
+    Heartbeat,
+    Incident,
+    IncidentKind,
+    RankId,
+)
 
 R1 = RankId(replica_id="r1", rank=0)
 R0 = RankId(replica_id="r0", rank=0)
@@ -295,3 +302,45 @@ def _unreachable(metrics: HealthMetrics) -> float:
 
 def _state(engine: CentralEngine, replica_id: str) -> str:
     return {v.replica_id: v.state for v in engine.replicas()}[replica_id]
+
+
+def _node(node: str, rank: RankId, dropped: int = 0, *records: CollectiveRecord) -> ReportBatch:
+    state = NodeState(
+        node=node, ranks=(NodeRank(rank=rank, step=3, silent_s=0.0, process="p"),), dropped=dropped
+    )
+    return ReportBatch(source=f"agent:{node}", host=node, node=state, collectives=records)
+
+
+@pytest.mark.parametrize("records_lost", [False, True])
+async def test_a_rank_whose_exit_from_a_collective_was_lost_on_the_way_is_not_hung(
+    records_lost: bool,
+) -> None:
+    """r1's agent sends its entry into allreduce #5, then loses batches (its link to here was
+    cut; its node state counts them as dropped): r1's exit may be among them. Without the lost
+    batches the same records are a hang of r1 (the control)."""
+    clock = Clock()
+    engine = CentralEngine(
+        HealthConfig(mode="central", failure_action="kill"),
+        DetectorConfig(heartbeat_timeout_s=TIMEOUT_S, hang_timeout_s=2.0),
+        InMemoryTelemetryStore(),
+        HealthMetrics(CollectorRegistry()),
+        clock=clock,
+    )
+    t = clock.now
+    entered = CollectiveRecord(rank=R1, group="ftar:1:0", seq=5, op="allreduce", started_at=t)
+    peer = CollectiveRecord(
+        rank=R0, group="ftar:1:0", seq=5, op="allreduce", started_at=t, ended_at=t + 0.01
+    )
+    await engine.ingest(_node("node-a", R1, 0, entered))
+    await engine.ingest(_node("node-b", R0, 0, peer))
+    dropped = 3 if records_lost else 0
+    for _ in range(40):  # 4 s: past the hang timeout
+        clock.now += 0.1
+        await engine.ingest(_node("node-a", R1, dropped))
+        await engine.ingest(_node("node-b", R0))
+        await engine.evaluate_once()
+    hangs = [i for i in await engine.store.incidents() if i.kind == IncidentKind.HANG]
+    if records_lost:
+        assert hangs == []
+    else:
+        assert [(i.replica_id, i.rank) for i in hangs] == [("r1", 0)]
