@@ -19,24 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from fthsdp.worker.dtensor import is_dtensor, like, local
 from fthsdp.worker.ftar import FtarRing, FtarWork, RecoverableFtarError
 from fthsdp.worker.replica_group import ReplicaGroup
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`value` (this rank's part) shaped like `param`: a DTensor with the same sharding if it is."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
-    return value
 
 
 @dataclass(slots=True)
@@ -74,7 +60,7 @@ class GradientExchange:
         self, params: Sequence[torch.nn.Parameter], group: ReplicaGroup, *, bucket_bytes: int
     ) -> None:
         trainable = [p for p in params if p.requires_grad]
-        kinds = {isinstance(p, DTensor) for p in trainable}
+        kinds = {is_dtensor(p) for p in trainable}
         if len(kinds) > 1:
             raise ValueError("mix of sharded (DTensor) and plain parameters is not supported")
         self.sharded = kinds == {True}
@@ -287,7 +273,7 @@ class GradientExchange:
                 n = target.numel()
                 grad = bucket.result[offset : offset + n].view_as(target)
                 if p.grad is None:
-                    p.grad = _like(p, grad.clone())
+                    p.grad = like(p, grad.clone())
                 else:
                     local(p.grad).copy_(grad)
                 offset += n

@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fthsdp.services.checkpoint.client_fetch import TORCH_DTYPES
-from fthsdp.worker.exchange import local
+from fthsdp.worker.dtensor import is_dtensor, like, local
 from fthsdp.worker.state_codec import decode_tree, document_tensor, encode_tree, read_document
 
 MODEL_PREFIX = "model/"
@@ -181,16 +180,10 @@ def load_state_tensors(
 
 def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Optimizer state shaped like its parameter (a DTensor shard for FSDP2); scalars stay."""
-    if isinstance(param, DTensor) and value.dim() > 0:
+    if is_dtensor(param) and value.dim() > 0:
         # Received state is on the CPU; a plain tensor is moved by `load_state_dict`, a DTensor
         # must be built on its mesh's device.
-        return DTensor.from_local(
-            value.to(param.to_local().device),
-            param.device_mesh,
-            param.placements,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return like(param, value.to(param.to_local().device))
     return value
 
 
