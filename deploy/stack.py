@@ -165,9 +165,6 @@ class Sidecar:
     def wait_ready(self) -> None:
         _wait(self.process.spec.ready, [self.process], f"checkpoint sidecar {self.name}")
 
-    def stop(self) -> None:
-        _stop([self.process])
-
 
 class LocalStack:
     """Quorum service + health service + checkpoint sidecars, started and stopped together."""
@@ -270,10 +267,13 @@ class LocalStack:
         if self._redis is not None:
             self._redis.start()
         self.start_quorum()
+        # Every process starts before any is waited for: their imports overlap.
         if self._health:
             self._start_health()
         for sidecar in self.sidecars.values():
             sidecar.start()
+        if self._health:
+            self._wait_health()
         for sidecar in self.sidecars.values():
             sidecar.wait_ready()
 
@@ -460,16 +460,17 @@ class LocalStack:
         self._health_processes = [ManagedProcess(spec) for spec in specs]
         for process in self._health_processes:
             process.start()
+        self.health_url = central.addresses["http"]
+
+    def _wait_health(self) -> None:
         for process in self._health_processes:
             _wait(process.spec.ready, self._health_processes, process.name)
-        self.health_url = central.addresses["http"]
 
     # ---- everything ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        for sidecar in self.sidecars.values():
-            sidecar.stop()
-        _stop(self._health_processes)
+        # One SIGTERM round for all: each process drains in parallel with the others.
+        _stop([sidecar.process for sidecar in self.sidecars.values()] + self._health_processes)
         self.stop_quorum()
         if self._redis is not None:
             self._redis.stop()

@@ -7,9 +7,11 @@ to one agreed step, and the run's logs become a JSON report and a PNG plot. With
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
+import math
 import queue
 import random
 import secrets
@@ -43,6 +45,12 @@ from fthsdp.worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
 _POLL_BUDGET = timedelta(seconds=1)
+_STOP_CHECK_STEPS = 10
+"""How often a replica's leader reads the stop file (`train.STOP_CHECK_STEPS`)."""
+_STOP_LEAD = timedelta(seconds=1)
+"""How far ahead, in time at the job's step rate, the agreed last step lies beyond the steps
+taken since the launcher's read: far more than the read-and-write takes on a loaded host."""
+_RATE_WINDOW_S = 5.0
 """How long one status poll of the driver retries while no instance answers as leader: the
 driver's loop must keep supervising (and restarting a dead store) meanwhile."""
 
@@ -210,6 +218,15 @@ class _QuorumView:
         self.healthy: tuple[str, ...] = ()
         self.max_step = 0
         self.evictions: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._steps: collections.deque[tuple[float, int]] = collections.deque()
+
+    def step_rate(self) -> float:
+        """Steps per second over the last few seconds of observations (0 with too few)."""
+        with self._lock:
+            if len(self._steps) < 2:
+                return 0.0
+            (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
+        return max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
 
     def observe(self, client: QuorumClient) -> None:
         """Reads the latest quorum and logs it when it changed."""
@@ -218,8 +235,12 @@ class _QuorumView:
             return
         latest = status.quorums[-1]
         key = (latest.quorum_id, latest.members, latest.healthy)
+        now = time.monotonic()
         with self._lock:
             self.max_step = latest.max_step
+            self._steps.append((now, latest.max_step))
+            while self._steps and self._steps[0][0] < now - _RATE_WINDOW_S:
+                self._steps.popleft()
             if key == self._key:
                 return
             self._key = key
@@ -560,7 +581,8 @@ class _Driver:
             time.sleep(0.05)
         # A fresh read (retried while the service cannot answer, e.g. during a store outage,
         # when the view above is stale), plus a margin that outruns the write of stop.json at
-        # any step rate: every replica must still be below stop_at when it first sees the file.
+        # the job's step rate: every replica must still be below stop_at when it first reads
+        # the file, which it does every _STOP_CHECK_STEPS steps.
         while True:
             client = self.stack.quorum_client(connect_timeout=_POLL_BUDGET)
             try:
@@ -574,7 +596,10 @@ class _Driver:
                 client.close()
         # The replicas' own logs as a floor: after a store outage the service's newest record
         # can be older than the steps trained meanwhile on the previous quorum.
-        stop_at = max(self.quorum.max_step, _max_committed(run_dir)) + 50
+        lead = max(
+            _STOP_CHECK_STEPS, math.ceil(self.quorum.step_rate() * _STOP_LEAD.total_seconds())
+        )
+        stop_at = max(self.quorum.max_step, _max_committed(run_dir)) + _STOP_CHECK_STEPS + lead
         # Atomic: a rank must never read a half-written file (it would train past stop_at
         # alone, waiting for a quorum that never comes).
         staging = run_dir / "stop.json.tmp"
