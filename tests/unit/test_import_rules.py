@@ -98,6 +98,19 @@ def test_importing_a_torch_free_service_loads_no_torch(service: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_the_worker_library_leaves_dtensor_unimported_until_a_user_shards() -> None:
+    """`torch.distributed.tensor` costs each rank process about 0.6 s of CPU at every start;
+    only a job that uses FSDP2 (which imports it) needs it (`worker/dtensor.py`)."""
+    code = (
+        "import sys, fthsdp, fthsdp.worker.manager, fthsdp.worker.state\n"
+        "sys.exit(1 if 'torch.distributed.tensor' in sys.modules else 0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_code_imports_the_project_only_through_the_fthsdp_namespace() -> None:
     """The repository's directories install as `fthsdp.<dir>`; a bare `import worker` would
     work in a checkout and break when installed (and load a second copy of the module)."""
