@@ -65,11 +65,14 @@ def test_kills_leave_identical_replicas_and_exactly_once_data(
     demo: DemoRunner, tmp_path: Path
 ) -> None:
     """I1 + I2 after repeated SIGKILLs of single ranks (2 ranks per replica), and I4: the
-    survivors keep committing while a replica is down, stalling at most the join timeout."""
-    # Kills further apart than a restart takes here (about 12 s: mostly importing torch), so
-    # that they never overlap (the injector would defer one that left a minority, which must
-    # not train: I6); overlapping failures have their own test.
-    report = demo(ranks=2, duration=timedelta(seconds=55), kill_every=timedelta(seconds=20))
+    survivors keep committing while a replica is down, stalling at most the join timeout. The
+    health node agent reports each dead rank as a fail-stop incident naming its replica and
+    rank."""
+    # Kills further apart than a replica of 2 ranks takes to heal here (about 14 s: mostly
+    # importing torch), so that they never overlap (the injector defers one that would leave a
+    # minority, which must not train: I6); overlapping failures have their own test. Kills at
+    # 16 s and 32 s; the second may wait for the first victim until 36 s.
+    report = demo(ranks=2, duration=timedelta(seconds=46), kill_every=timedelta(seconds=16))
     _assert_i1_i2(report)
     _assert_final_positions_recorded(report, tmp_path / "run")
     failures = report["failures"]
@@ -82,6 +85,9 @@ def test_kills_leave_identical_replicas_and_exactly_once_data(
         assert failure["survivor_stall_s"] <= JOIN_TIMEOUT_S + 1.0, failure
     # Survivors kept committing while the victim was down: some steps had fewer contributors.
     assert report["summary"]["useful_replica_steps"] < report["summary"]["possible_replica_steps"]
+    killed = {(f["replica"], f["rank"]) for f in failures}
+    named = {(i["replica_id"], i["rank"]) for i in report["incidents"] if i["kind"] == "fail_stop"}
+    assert killed <= named, (killed, report["incidents"])
 
 
 def test_overlapping_failures_stall_the_survivors_no_longer_than_a_lone_one(
@@ -125,7 +131,8 @@ def test_peer_dying_mid_exchange_retries_without_recompute(
     and so does the other survivor, without r1. I1, I2."""
     # Its first exchange, not a fixed step: a replica that starts late on a loaded host joins
     # the job as recovering, some steps in, and would never train a step chosen in advance.
-    report = demo(faults="r1:0:*:exchange", duration=timedelta(seconds=15))
+    # The fault fires before the first commit; the settle phase waits for r1 to be back.
+    report = demo(faults="r1:0:*:exchange", duration=timedelta(seconds=8))
     _assert_i1_i2(report)
     commits = _commit_lines(tmp_path / "run")
     retried = [c for c in commits if c["replica"] != "r1" and c["attempts"] >= 2]
@@ -145,7 +152,9 @@ def test_kill_during_catch_up_and_of_a_source_still_converges(
     source dies right after publishing its snapshot for it (r0). The kill at step 10 is what
     makes r1 recover; on a loaded machine r1 can instead start after the first quorum formed
     without it, catch up at once and die there, and then be restarted past step 10."""
-    report = demo(faults="r1:0:10:commit,r1:0:*:fetch,r0:0:*:serve", duration=timedelta(seconds=25))
+    # The settle phase waits for every replica to be back: the chain of restarts may outlast
+    # the training time.
+    report = demo(faults="r1:0:10:commit,r1:0:*:fetch,r0:0:*:serve", duration=timedelta(seconds=15))
     _assert_i1_i2(report)
     fired = {p.name for p in (tmp_path / "run" / "faults").iterdir()}
     assert {"fault-r0-0-any-serve", "fault-r1-0-any-fetch"} <= fired, fired
@@ -156,11 +165,9 @@ def test_kill_during_catch_up_and_of_a_source_still_converges(
 def test_hung_replica_is_evicted_by_heartbeat_and_replaced(demo: DemoRunner) -> None:
     """A SIGSTOPped replica: its heartbeats stop, the service evicts it within the heartbeat
     timeout, survivors go on (I4), and the replacement catches up (I1, I2)."""
-    # One hang (at 12 s; none in the last stretch): a second one would land while the first
+    # One hang (at 6 s; none in the last stretch): a second one would land while the first
     # replica is still being replaced (see the test above) and leave a minority.
-    report = demo(
-        kill_mode="hang", duration=timedelta(seconds=25), kill_every=timedelta(seconds=12)
-    )
+    report = demo(kill_mode="hang", duration=timedelta(seconds=16), kill_every=timedelta(seconds=6))
     _assert_i1_i2(report)
     assert report["failures"]
     for failure in report["failures"]:
@@ -184,7 +191,7 @@ def test_a_stopped_rank_tears_its_replica_down_at_once(demo: DemoRunner, tmp_pat
     asks for a teardown, the replica's other rank exits (75) or is killed instead of sitting in
     a gloo collective with it for a minute, the replica restarts and catches up. I1, I2."""
     report = demo(
-        ranks=2, duration=timedelta(seconds=25), kill_mode="hang", kill_every=timedelta(seconds=12)
+        ranks=2, duration=timedelta(seconds=16), kill_mode="hang", kill_every=timedelta(seconds=6)
     )
     _assert_i1_i2(report)
     run_dir = tmp_path / "run"
@@ -209,7 +216,7 @@ def test_a_rank_hung_before_the_exchange_is_named_and_its_replica_torn_down(
     report = demo(
         ranks=2,
         faults="r1:1:40:hang",
-        duration=timedelta(seconds=25),
+        duration=timedelta(seconds=18),  # the settle phase waits for r1 to be back
         hang_timeout=timedelta(seconds=3),
     )
     _assert_i1_i2(report)
@@ -300,8 +307,10 @@ def test_hsdp_with_fsdp2_inside_replicas_survives_kills(demo: DemoRunner) -> Non
     """HSDP: each replica shards its model over 2 ranks with FSDP2; rank i's FTAR ring carries
     shard i. Kills of single ranks still leave identical replicas (I1) and exactly-once data
     (I2)."""
+    # One kill, at 6 s: a replica of 2 ranks takes about 14 s to heal, and none is killed in
+    # the last stretch.
     report = demo(
-        ranks=2, fsdp=True, duration=timedelta(seconds=25), kill_every=timedelta(seconds=10)
+        ranks=2, fsdp=True, duration=timedelta(seconds=16), kill_every=timedelta(seconds=6)
     )
     _assert_i1_i2(report)
     assert report["failures"]
@@ -315,8 +324,8 @@ def test_overlapping_the_exchange_with_backward_survives_kills(demo: DemoRunner)
     report = demo(
         overlap_backward=True,
         ranks=2,
-        duration=timedelta(seconds=25),
-        kill_every=timedelta(seconds=8),
+        duration=timedelta(seconds=16),
+        kill_every=timedelta(seconds=6),  # one kill: see the test above
     )
     _assert_i1_i2(report)
     assert report["failures"]
@@ -328,7 +337,7 @@ def test_fetch_slower_than_a_step_stalls_survivors_at_most_the_join_timeout(
     """I4 with a slow catch-up: r1's first catch-up fetch takes 3 s (hundreds of steps), and r1
     dies at step 10 to catch up once more. The survivors wait for it at most the join timeout,
     then go on without it; r1 catches up on a later quorum and ends identical (I1, I2)."""
-    report = demo(faults="r1:0:10:commit,r1:0:*:slow_fetch:3", duration=timedelta(seconds=25))
+    report = demo(faults="r1:0:10:commit,r1:0:*:slow_fetch:3", duration=timedelta(seconds=15))
     _assert_i1_i2(report)
     assert (tmp_path / "run" / "faults" / "fault-r1-0-any-slow_fetch").exists()
     commits = _commit_lines(tmp_path / "run")

@@ -46,8 +46,8 @@ def test_training_goes_on_through_a_60_s_store_outage(demo: DemoRunner, tmp_path
         redis=True,
         kill_mode="store",
         store_down=timedelta(seconds=60),
-        duration=timedelta(seconds=80),
-        kill_every=timedelta(seconds=12),
+        duration=timedelta(seconds=70),
+        kill_every=timedelta(seconds=2),  # one outage, from 2 s to 62 s
     )
     _assert_i1_i2_i3(report)
     events = _lines(run_dir, "supervisor.jsonl")
@@ -81,8 +81,10 @@ def test_a_replica_lost_while_the_store_is_down_is_replaced_once_it_returns(
         redis=True,
         kill_mode="store-replica",
         store_down=timedelta(seconds=10),
-        duration=timedelta(seconds=45),
-        kill_every=timedelta(seconds=20),  # one outage: the next would fall in the last 10 s
+        duration=timedelta(seconds=30),
+        # One outage, from 8 s to 18 s: the next may start no sooner than 8 s after the store
+        # is back (26 s), and none starts in the last stretch (after 22.5 s).
+        kill_every=timedelta(seconds=8),
     )
     _assert_i1_i2_i3(report)
     events = _lines(run_dir, "supervisor.jsonl")
