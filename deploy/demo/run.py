@@ -45,11 +45,13 @@ from fthsdp.worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
 _POLL_BUDGET = timedelta(seconds=1)
-_STOP_CHECK_STEPS = 10
-"""How often a replica's leader reads the stop file (`train.STOP_CHECK_STEPS`)."""
+_START_TIMEOUT = timedelta(seconds=120)
+"""Start-up: how long the training time waits for every replica's first commit (the end
+phase's `settle_timeout` is another matter: a test may shorten it to leave a replica out)."""
 _STOP_LEAD = timedelta(seconds=1)
-"""How far ahead, in time at the job's step rate, the agreed last step lies beyond the steps
-taken since the launcher's read: far more than the read-and-write takes on a loaded host."""
+"""How far ahead, in time at the job's step rate, the agreed last step lies: far more than the
+launcher's read of the step and write of the stop file take on a loaded host."""
+_STOP_LEAD_MIN_STEPS = 5
 _RATE_WINDOW_S = 5.0
 """How long one status poll of the driver retries while no instance answers as leader: the
 driver's loop must keep supervising (and restarting a dead store) meanwhile."""
@@ -486,7 +488,7 @@ class _Driver:
         victim restarts at step 0 with nothing to catch up."""
         config = self.config
         everyone = {r.replica_id for r in self.supervisor.replicas}
-        deadline = time.monotonic() + config.settle_timeout.total_seconds()
+        deadline = time.monotonic() + _START_TIMEOUT.total_seconds()
         while time.monotonic() < deadline and (
             set(self.quorum.healthy) != everyone or self.quorum.max_step < 1
         ):
@@ -581,8 +583,8 @@ class _Driver:
             time.sleep(0.05)
         # A fresh read (retried while the service cannot answer, e.g. during a store outage,
         # when the view above is stale), plus a margin that outruns the write of stop.json at
-        # the job's step rate: every replica must still be below stop_at when it first reads
-        # the file, which it does every _STOP_CHECK_STEPS steps.
+        # the job's step rate: every rank must still be below stop_at when it first reads the
+        # file, which it does before each step.
         while True:
             client = self.stack.quorum_client(connect_timeout=_POLL_BUDGET)
             try:
@@ -597,19 +599,23 @@ class _Driver:
         # The replicas' own logs as a floor: after a store outage the service's newest record
         # can be older than the steps trained meanwhile on the previous quorum.
         lead = max(
-            _STOP_CHECK_STEPS, math.ceil(self.quorum.step_rate() * _STOP_LEAD.total_seconds())
+            _STOP_LEAD_MIN_STEPS, math.ceil(self.quorum.step_rate() * _STOP_LEAD.total_seconds())
         )
-        stop_at = max(self.quorum.max_step, _max_committed(run_dir)) + _STOP_CHECK_STEPS + lead
+        stop_at = max(self.quorum.max_step, _max_committed(run_dir)) + lead
         # Atomic: a rank must never read a half-written file (it would train past stop_at
         # alone, waiting for a quorum that never comes).
         staging = run_dir / "stop.json.tmp"
         staging.write_text(json.dumps({"stop_at_step": stop_at}))
         staging.replace(run_dir / "stop.json")
         self.supervisor.stopping = True
+        # Only the quorum's replicas train up to stop_at; one left out of it when the wait
+        # for everyone ran out (evicted and left alone under the "report" policy) is stopped
+        # by the shutdown, not waited for.
+        stopping = [r for r in self.supervisor.replicas if r.replica_id in self.quorum.healthy]
         deadline = time.monotonic() + self.config.settle_timeout.total_seconds()
-        while time.monotonic() < deadline and any(r.running for r in self.supervisor.replicas):
+        while time.monotonic() < deadline and any(r.running for r in stopping):
             self.supervisor.poll()
-            if any(not r.running for r in self.supervisor.replicas):
+            if any(not r.running for r in stopping):
                 # Replicas stop in lockstep; one that has not followed the first within a
                 # grace period is stuck waiting for a quorum that will not form again.
                 deadline = min(deadline, time.monotonic() + 15.0)

@@ -23,7 +23,6 @@ import pytest
 
 from fthsdp.deploy.demo.events import CommitEvent, EventLog, FinalEvent, RunEvent, RunLog
 from fthsdp.deploy.demo.report import build_report
-from fthsdp.deploy.demo.train import STOP_CHECK_STEPS
 from fthsdp.deploy.processes import free_port
 from fthsdp.deploy.stack import LocalStack
 
@@ -214,9 +213,9 @@ def test_torchrun_replicas_survive_a_rank_kill_and_catch_up(
     ]
     # Stop both a few steps after r1 trained with r0 again.
     _wait_for("r1 to train again", both_at(max(c.step for c in alone) + 3), 30, [r0, r1])
-    # Far enough ahead that both leaders read the file (every STOP_CHECK_STEPS) before
-    # reaching it: one that read it only past that step would stop later than the other.
-    stop_at = max(c.step for c in _commits(run_dir)) + 2 * STOP_CHECK_STEPS + 5
+    # Far enough ahead that every rank reads the file (before each step) before reaching it:
+    # one that read it only past that step would stop later than the others.
+    stop_at = max(c.step for c in _commits(run_dir)) + 20
     staging = run_dir / "stop.json.tmp"
     staging.write_text(json.dumps({"stop_at_step": stop_at}))
     staging.replace(run_dir / "stop.json")
