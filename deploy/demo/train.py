@@ -7,6 +7,15 @@ MASTER_ADDR/MASTER_PORT when the flags are absent. The replica leader appends JS
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":
+    # A rank's start is mostly imports (torch, and the compiler stack its optimizers pull in)
+    # that allocate millions of objects: without collections in between it costs about 30 %
+    # less CPU (1.3 s per rank here, paid again at every restart). `main` turns collection back
+    # on after the warm-up, with everything allocated so far frozen out of it.
+    gc.disable()
+
 import argparse
 import contextlib
 import json
@@ -227,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     warm_up()  # before the identity and the check-in, fresh rank or spare
+    gc.freeze()  # never collectable: later collections need not walk it
+    gc.enable()
     if args.spare:
         taken = _take_identity(argv)
         if taken is None:
