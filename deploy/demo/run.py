@@ -45,16 +45,18 @@ from fthsdp.worker.faults import parse_faults
 
 log = logging.getLogger(__name__)
 _POLL_BUDGET = timedelta(seconds=1)
+"""How long one status poll of the driver retries while no instance answers as leader: the
+driver's loop must keep supervising (and restarting a dead store) meanwhile."""
 _START_TIMEOUT = timedelta(seconds=120)
 """Start-up: how long the training time waits for every replica's first commit (the end
 phase's `settle_timeout` is another matter: a test may shorten it to leave a replica out)."""
 _STOP_LEAD = timedelta(seconds=1)
-"""How far ahead, in time at the job's step rate, the agreed last step lies: far more than the
-launcher's read of the step and write of the stop file take on a loaded host."""
+"""How far ahead, in time at the job's recent step rate, the agreed last step lies (at least
+`_STOP_LEAD_MIN_STEPS`): far more than the launcher's read of the step and write of the stop
+file take on a loaded host."""
 _STOP_LEAD_MIN_STEPS = 5
 _RATE_WINDOW_S = 5.0
-"""How long one status poll of the driver retries while no instance answers as leader: the
-driver's loop must keep supervising (and restarting a dead store) meanwhile."""
+"""The step rate is measured over the quorum observations of the last few seconds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
