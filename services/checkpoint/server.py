@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ from fthsdp.services.checkpoint.snapshots import SnapshotRegistry
 from fthsdp.services.checkpoint.store import FilePositionStore, PositionStore
 from fthsdp.services.checkpoint.store_redis import RedisPositionStore
 from fthsdp.services.checkpoint.zerocopy import ZeroCopyHttpToolsProtocol
+from fthsdp.services.common.http_listener import bind_listener, http_url
 from fthsdp.services.common.private_dir import ensure_private_dir
 from fthsdp.services.common.tokens import Token
 
@@ -74,7 +74,7 @@ class CheckpointServer:
     @property
     def url(self) -> str:
         host, port = self.address
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        return http_url(host, port)
 
     def start(self) -> str:
         """Binds, starts serving in a background thread, and returns the base URL."""
@@ -83,7 +83,7 @@ class CheckpointServer:
                 raise RuntimeError("a CheckpointServer starts once")
             ensure_private_dir(self.config.shm_dir)
             self.config.durable_root.mkdir(parents=True, exist_ok=True)
-            sock = _bind(self.config.host, self.config.port)
+            sock = bind_listener(self.config.host, self.config.port, backlog=1024)
             self._address = sock.getsockname()[:2]
             uv_config = uvicorn.Config(
                 self.app,
@@ -136,17 +136,3 @@ class CheckpointServer:
         services.registry.close()
         services.positions.close()
         log.info("checkpoint sidecar stopped")
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import math
-import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from fthsdp.services.common.http_auth import OPEN_PATHS
 from fthsdp.services.common.http_errors import error_response, install_error_handlers
 from fthsdp.services.common.http_guard import GuardRules, HttpGuard
 from fthsdp.services.common.http_limits import MAX_HEADER_BYTES, BoundedH11Protocol
+from fthsdp.services.common.http_listener import bind_listener, http_url
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.api_models import (
@@ -321,9 +321,8 @@ class HttpServer:
     allowed) and returns the base URL; `await stop()` drains for `grace` seconds; idempotent."""
 
     def __init__(self, app: ASGIApp, host: str, port: int, grace: float) -> None:
-        self._sock = _bind(host, port)
-        bound = self._sock.getsockname()
-        self.url = f"http://{f'[{bound[0]}]' if ':' in bound[0] else bound[0]}:{bound[1]}"
+        self._sock = bind_listener(host, port, backlog=256)
+        self.url = http_url(*self._sock.getsockname()[:2])
         config = uvicorn.Config(
             app,
             log_level="warning",
@@ -359,16 +358,3 @@ class HttpServer:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(256)
-    except OSError:
-        sock.close()
-        raise
-    return sock
