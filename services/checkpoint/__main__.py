@@ -19,6 +19,7 @@ from typing import Any
 from fthsdp.services.checkpoint.config import CheckpointConfig
 from fthsdp.services.checkpoint.server import CheckpointServer
 from fthsdp.services.common import logs
+from fthsdp.services.common.cli import add_log_format_flag
 from fthsdp.services.common.tokens import load_token
 
 ENV_PREFIX = "FTHSDP_CHECKPOINT_"
@@ -89,13 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fthsdp-checkpoint", description=__doc__)
     for flag, _, kind, _, text in _FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
-    parser.add_argument(
-        "--log-format",
-        choices=logs.FORMATS,
-        default=None,
-        help="text: time, level, logger, message, then key=value context; json: one object "
-        "per line (default text) [env FTHSDP_LOG_FORMAT]",
-    )
+    add_log_format_flag(parser)
     parser.add_argument("--token-file", default=None, help="file holding the bearer token")
     parser.add_argument(
         "--nice",

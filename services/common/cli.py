@@ -46,6 +46,11 @@ def add_logging_flags(parser: argparse.ArgumentParser, *, level_default: str = "
         default=None,
         help=f"DEBUG, INFO, ... (default {level_default}) [env FTHSDP_LOG_LEVEL]",
     )
+    add_log_format_flag(parser)
+
+
+def add_log_format_flag(parser: argparse.ArgumentParser) -> None:
+    """`--log-format` alone, for a process whose log level is part of its own config."""
     parser.add_argument(
         "--log-format",
         choices=logs.FORMATS,

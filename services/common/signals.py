@@ -8,6 +8,11 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol, TextIO
+
+from fthsdp.services.common import gc_tuning
 
 log = logging.getLogger(__name__)
 
@@ -35,3 +40,24 @@ def shutdown_signal() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     return stop
+
+
+class _Served(Protocol):
+    async def start(self) -> Any: ...
+
+    async def stop(self) -> Any: ...
+
+
+async def serve_until_signalled(
+    server: _Served, banner: Callable[[], str], out: TextIO | None = None
+) -> None:
+    """A service process's life: start `server`, settle the collector (`gc_tuning`), print the
+    one banner line, serve until SIGTERM/SIGINT, then `stop` it (its drain)."""
+    stop = shutdown_signal()
+    await server.start()
+    gc_tuning.settle()
+    print(banner(), file=out or sys.stdout, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()

@@ -16,7 +16,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fthsdp.services.common import gc_tuning
 from fthsdp.services.common.cli import (
     Flag,
     add_flags,
@@ -25,7 +24,7 @@ from fthsdp.services.common.cli import (
     flag_or_env,
     setup_logging,
 )
-from fthsdp.services.common.signals import shutdown_signal
+from fthsdp.services.common.signals import serve_until_signalled
 from fthsdp.services.common.tokens import Token, load_token
 from fthsdp.services.health.config import DEFAULT_PORTS, MODES, HealthConfig, Mode
 from fthsdp.services.health.detectors.config import DetectorConfig
@@ -145,14 +144,7 @@ async def serve(
 ) -> None:
     """Runs until SIGTERM/SIGINT, then drains for `shutdown_grace`."""
     node = HealthProcess(config, token, detectors=detectors)
-    stop = shutdown_signal()
-    await node.start()
-    gc_tuning.settle()
-    print(_banner(node), file=out or sys.stdout, flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await node.stop()
+    await serve_until_signalled(node, lambda: _banner(node), out)
 
 
 def _banner(node: HealthProcess) -> str:

@@ -14,9 +14,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fthsdp.services.common import gc_tuning
 from fthsdp.services.common.cli import Flag, add_flags, config_values, setup_logging
-from fthsdp.services.common.signals import shutdown_signal
+from fthsdp.services.common.signals import serve_until_signalled
 from fthsdp.services.common.tokens import Token, load_token
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.server import SERVICE_NAME, QuorumServer
@@ -95,14 +94,7 @@ async def serve(config: QuorumConfig, token: Token, *, out: Any = None) -> None:
     if config.redis_url is None:
         store = InMemoryStore(history_size=config.history_size, epoch_floor=clock_epoch_floor())
     server = QuorumServer(config, token, store=store)
-    stop = shutdown_signal()
-    await server.start()
-    gc_tuning.settle()
-    print(_banner(server), file=out or sys.stdout, flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+    await serve_until_signalled(server, lambda: _banner(server), out)
 
 
 def _banner(server: QuorumServer) -> str:
