@@ -1,11 +1,11 @@
 """The node agent: the first of the two heartbeat levels.
 
 Every rank on a host reports to the agent on 127.0.0.1. The agent runs `FailStopDetector` over
-its ranks' heartbeats every `check_interval` and watches their processes (`ExitWatch`); a rank
-whose process exited, or silent for `heartbeat_timeout`, is reported to the quorum service at
-once (so the survivors' next quorum leaves its replica out: kill -> new quorum within one RPC
-where the exit is seen, heartbeat_timeout + check_interval + one RPC for a silence, a hang or
-a process out of the agent's sight), and the incident goes to the
+its ranks' heartbeats when the earliest of them would fall silent (`next_check_in`) and watches
+their processes (`ExitWatch`); a rank whose process exited, or silent for `heartbeat_timeout`,
+is reported to the quorum service at once (so the survivors' next quorum leaves its replica
+out: kill -> new quorum within one RPC where the exit is seen, heartbeat_timeout + one RPC for
+a silence, a hang or a process out of the agent's sight), and the incident goes to the
 central service with the outcome of the report. The agent follows the quorum service's event
 stream: its joins say which incarnation the silent rank belonged to, and the report (and the
 incident's evidence, for a central service that evicts when the report failed) names that one
@@ -206,13 +206,24 @@ class NodeAgent:
     # ---- fail-stop: local detection, immediate report ---------------------------------------
 
     async def _check_loop(self) -> None:
-        interval = self._config.check_interval.total_seconds()
         while True:
             try:
                 self.check_once()
             except Exception:
                 log.exception("agent check failed")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.next_check_in())
+
+    def next_check_in(self) -> float:
+        """Seconds to the next fail-stop check: when the earliest rank falls silent if it beats
+        no more (a silence is seen as it happens, and a node of beating ranks is checked about
+        once a timeout, not 20 times a second), but no sooner than `check_interval` and no later
+        than a quarter of the timeout (a first beat may carry a time that is already old)."""
+        floor = self._config.check_interval.total_seconds()
+        ceiling = max(floor, self._detector.timeout_s / 4)
+        deadline = self._detector.next_deadline()
+        if deadline is None:
+            return ceiling
+        return min(max(deadline - self._clock(), floor), ceiling)
 
     def check_once(self) -> list[Incident]:
         """One fail-stop check; each new incident starts its quorum report at once."""

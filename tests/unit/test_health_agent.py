@@ -97,6 +97,25 @@ async def test_a_silent_rank_is_reported_at_once_and_once() -> None:
     assert held[0].evidence["quorum"] == "evicted"
 
 
+async def test_the_next_check_comes_when_the_earliest_rank_would_fall_silent() -> None:
+    """Timeout 0.5 s, check_interval 50 ms: a check at each silence's deadline, spaced between
+    the interval and a quarter of the timeout (125 ms), instead of every 50 ms."""
+    agent, _, clock = _agent()
+    assert agent.next_check_in() == pytest.approx(0.125)  # no rank: the ceiling
+    await agent.ingest(_beats(clock, "r0", "r1"))
+    clock.now += 0.3
+    await agent.ingest(_beats(clock, "r0"))
+    assert agent.next_check_in() == pytest.approx(0.125)  # r1's deadline is 0.2 s away
+    clock.now += 0.12
+    assert agent.next_check_in() == pytest.approx(0.08)  # r1's, exactly
+    clock.now += 0.07
+    assert agent.next_check_in() == pytest.approx(0.05)  # 10 ms left: no sooner than 50 ms
+    clock.now += 0.05
+    assert [i.replica_id for i in agent.check_once()] == ["r1"]
+    # r1 is reported: r0 (heard 0.24 s ago) is the next to watch, 0.26 s away.
+    assert agent.next_check_in() == pytest.approx(0.125)
+
+
 async def test_a_clean_exit_is_no_incident() -> None:
     agent, quorum, clock = _agent()
     await agent.ingest(_beats(clock, "r0"))

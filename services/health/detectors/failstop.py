@@ -71,6 +71,12 @@ class FailStopDetector:
             rank=rank, host=beat.host, step=beat.step, at=beat.at, process=beat.process
         )
 
+    def next_deadline(self) -> float | None:
+        """When the earliest beating rank falls silent if it beats no more (None: none beats).
+        A new beat only moves its rank's deadline later."""
+        pending = [beat.at for beat in self._beats.values() if not beat.reported]
+        return min(pending) + self.timeout_s if pending else None
+
     def tracked(self) -> list[RankId]:
         """Every tracked rank (beating or silent)."""
         return list(self._beats)
