@@ -23,9 +23,9 @@ Phases, each bounded by a deadline so the harness always finishes and says what 
    it, then the quorum of all survivors; every surviving rank holds its new ring neighbours
    (checked against the expected ring). A stage that does not complete within
    `--stage-timeout-s` is reported as "done / total after N s".
-4. health ingest: every node agent forwards its node state every 100 ms for `--ingest-s`:
-   records/s needed (ranks x 5 beats/s; agents x 10 forwards/s) vs acknowledged, and the central
-   service's CPU per forward (its idle cost subtracted).
+4. health ingest: every node agent forwards its node state every `HealthConfig.forward_interval`
+   (200 ms) for `--ingest-s`: records/s needed (ranks x 5 beats/s; agents x 5 forwards/s) vs
+   acknowledged, and the central service's CPU per forward (its idle cost subtracted).
 5. RCA: a hang at this size over the real wire (bench.scale_rca).
 Each process's CPU seconds and peak RSS per phase come from /proc, the services' garbage
 collection time from `gc.callbacks` in their processes. Prints a table (bench.scale_render) and

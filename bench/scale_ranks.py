@@ -19,6 +19,7 @@ from fthsdp.bench.emulation import replica_name
 from fthsdp.bench.scale_agents import Plans
 from fthsdp.bench.scale_model import Shape, endpoint, ring_neighbours
 from fthsdp.bench.scale_relay import depth
+from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.quorum import client_codec as codec
 from fthsdp.services.quorum.client import (
     CHANNEL_OPTIONS,
@@ -46,7 +47,7 @@ class Settings:
     exchange_timeout_s: float = 30.0
     watch_retry_s: float = 0.2
     rank_beat_s: float = 0.2
-    forward_interval_s: float = 0.1
+    forward_interval_s: float = HealthConfig().forward_interval.total_seconds()
     forward_timeout_s: float = 1.0
     partial_step_s: float = 0.5
     """A survivor holding a quorum of only some survivors trains a step on it (this long) before

@@ -197,6 +197,7 @@ def _ingest(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
     fwd_share = (
         None if not g["forwards_per_s"] else g["forwards_per_s"] / g["needed_forwards_per_s"]
     )
+    per_agent = g["needed_forwards_per_s"] / g["agents"] if g["agents"] else 0.0
     title = (
         f"health ingest: {g['agents']:,} agents, {g['ranks']:,} ranks, {_f(g['window_s'], '.1f')} s"
     )
@@ -205,7 +206,8 @@ def _ingest(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         f"{title:<{W}}{'needed/s':>12}{'acked/s':>12}{'share':>8}",
         f"{'  rank beats to their agents (ranks × 5/s)':<{W}}{g['needed_beats_per_s']:>12,.0f}"
         f"{'local':>12}",
-        f"{'  agent forwards to central (agents × 10/s)':<{W}}{g['needed_forwards_per_s']:>12,.0f}"
+        f"{f'  agent forwards to central (agents × {per_agent:g}/s)':<{W}}"
+        f"{g['needed_forwards_per_s']:>12,.0f}"
         f"{_f(g['forwards_per_s'], ',.0f'):>12}{_f(fwd_share, '.1%'):>8}",
         f"{'  rank entries in them':<{W}}{g['needed_rank_entries_per_s']:>12,.0f}"
         f"{_f(g['rank_entries_per_s'], ',.0f'):>12}",

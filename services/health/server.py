@@ -2,7 +2,8 @@
 interceptor, grpc.health.v1 and reflection; embeddable as `IngestServer`.
 
 The handler only decodes and validates a batch (`client_codec.batch_from_pb`, which also rebases
-the sender's times onto this host's clock) and hands it to an `IngestSink`: the central engine
+the sender's times onto this host's clock), refuses one held up in the network (`transit`), and
+hands it to an `IngestSink`: the central engine
 (`central.py`) or the node agent (`agent.py`). Both modes serve the same API, so a rank reports
 to either without knowing which it talks to."""
 
@@ -27,9 +28,11 @@ from fthsdp.services.health.client_codec import ReportBatch, batch_from_pb
 from fthsdp.services.health.domain import (
     MAX_MESSAGE_BYTES,
     HealthError,
+    HealthTimeoutError,
     HealthUnavailableError,
 )
 from fthsdp.services.health.metrics import HealthMetrics
+from fthsdp.services.health.transit import TransitDelays
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class _Servicer:
         self._sink = sink
         self._metrics = metrics
         self._serving = serving
+        self._transit = TransitDelays()
 
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         handlers = {
@@ -72,7 +76,9 @@ class _Servicer:
         try:
             if not self._serving():
                 raise HealthUnavailableError("the health service is shutting down")
-            batch = batch_from_pb(request, time.time())
+            now = time.time()
+            batch = batch_from_pb(request, now)
+            self._check_transit(request, batch, now)
             await self._sink.ingest(batch)
         except HealthError as exc:
             code, kind, message = status_for(exc)
@@ -86,6 +92,21 @@ class _Servicer:
         context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))
         await context.abort(code, message)
         raise AssertionError("abort returned")  # pragma: no cover
+
+    def _check_transit(self, request: pb.ReportRequest, batch: ReportBatch, now: float) -> None:
+        """Refuses a batch held up in the network (`transit`): its times would read as fresh."""
+        if not request.sent_at:
+            return
+        late = self._transit.late((batch.host, batch.source), now - request.sent_at, now)
+        if late is None:
+            return
+        log.info(
+            "refused a batch from %s on %s: %.1f s late in transit", batch.source, batch.host, late
+        )
+        raise HealthTimeoutError(
+            f"the batch arrived {late:.1f} s later than this sender's others: its sender gave "
+            "up on it, and its times would read as fresh"
+        )
 
 
 class IngestServer:

@@ -119,7 +119,7 @@ def test_every_live_agent_forwarded_its_node_state(run: tuple[dict[str, Any], st
     assert (g["agents"], g["ranks"]) == (4, 8)
     assert g["failed"] == 0 and g["acked"] > 0
     assert g["rank_entries_per_s"] == pytest.approx(2 * g["forwards_per_s"])
-    assert g["needed_forwards_per_s"] == 40.0 and g["needed_beats_per_s"] == 40.0
+    assert g["needed_forwards_per_s"] == 20.0 and g["needed_beats_per_s"] == 40.0
 
 
 def test_the_hung_rank_is_named_over_the_wire(run: tuple[dict[str, Any], str]) -> None:

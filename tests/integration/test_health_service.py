@@ -243,6 +243,36 @@ async def test_bad_batches_are_invalid_argument_and_change_nothing(
     assert central.engine is not None and central.engine.replicas() == []
 
 
+async def test_a_batch_held_up_in_the_network_is_refused_and_changes_nothing(
+    make_node: NodeFactory, token: str
+) -> None:
+    """A forward its agent gave up on, delivered seconds later (a cut link's TCP retransmit),
+    must not read as fresh: its heartbeat would show the rank beating now at an old step."""
+    central = await make_node(http_port=None)
+    engine = central.engine
+    assert engine is not None
+
+    def batch(step: int, age_s: float) -> pb.ReportRequest:
+        now = time.time()
+        beat = pb.HeartbeatRecord(rank=rank_ref("r0"), step=step, at=now - age_s)
+        return pb.ReportRequest(source="agent:h", host="h", sent_at=now - age_s, heartbeats=[beat])
+
+    await report(central.grpc_address, token, batch(40, 0.0))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await report(central.grpc_address, token, batch(50, 6.0))  # a step not seen yet
+    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "later than this sender's others" in (refused.value.details() or "")
+    (view,) = engine.replicas()
+    assert view.last_step == 40
+    # Another sender's first batch, however its clock reads, is on time; so is the agent's next.
+    other = batch(41, 6.0)
+    other.source, other.host = "agent:g", "g"
+    await report(central.grpc_address, token, other)
+    await report(central.grpc_address, token, batch(42, 0.0))
+    (view,) = engine.replicas()
+    assert view.last_step == 42
+
+
 async def test_bad_http_inputs_are_400_with_a_json_body(make_node: NodeFactory, token: str) -> None:
     central = await make_node()
     headers = {"authorization": f"Bearer {token}"}

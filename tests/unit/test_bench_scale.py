@@ -306,8 +306,8 @@ def test_ingest_needs_every_forward_and_prices_the_central_cpu() -> None:
     # The service completed 400 forwards, some after their sender had given up on them.
     g = ingest_result([answer, {**answer, "latency_p99_s": 0.4}], HealthConfig(), 2.0, 500)
     assert g["needed_beats_per_s"] == 800.0  # 160 ranks x 5/s
-    assert g["needed_forwards_per_s"] == 200.0  # 20 agents x 10/s
-    assert g["needed_rank_entries_per_s"] == 1600.0
+    assert g["needed_forwards_per_s"] == 100.0  # 20 agents x 5/s
+    assert g["needed_rank_entries_per_s"] == 800.0
     assert (g["forwards_per_s"], g["rank_entries_per_s"]) == (80.0, 640.0)
     assert g["central_cpu_share"] == 0.4
     assert g["central_us_per_forward"] == 4000.0
