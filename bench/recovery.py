@@ -42,6 +42,10 @@ invocation, so every comparison is between runs measured side by side on the sam
     python -m bench.recovery --overhead-only --overhead-repeats 3 --duration-s 20 \
         --json bench-overhead.json
 
+   With `--health-arms`, a fault-free run without the health service follows each one with it,
+   and health's own cost is the median of their ratios (adjacent runs, so the load drift between
+   them is a minute's, not the whole benchmark's).
+
 Prints a table next to the targets of DESIGN.md and writes JSON with every number, the command
 line, the machine (CPUs, load average) and the settings. Not a pass/fail test: on a small shared
 machine the absolute numbers move with the load; the ratios are what to read."""
@@ -116,6 +120,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "processes compete with training for the same cores; in production they run elsewhere)",
     )
     p.add_argument(
+        "--health-arms",
+        action="store_true",
+        help="with --overhead-only: also a fault-free run without the health service right after "
+        "each one with it, so health's own cost is the ratio of two adjacent runs (not valid "
+        "with --no-health)",
+    )
+    p.add_argument(
         "--faultfree-durable-every-steps",
         type=int,
         default=0,
@@ -138,6 +149,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--replicas must be >= 2 (one must survive a failure)")
     if args.overhead_repeats < 1:
         p.error("--overhead-repeats must be >= 1")
+    if args.health_arms and (args.no_health or not args.overhead_only):
+        p.error("--health-arms needs --overhead-only and the health service (no --no-health)")
     if args.faultfree_durable_every_steps < 0:
         p.error("--faultfree-durable-every-steps must be >= 0")
     if args.ranks < 1 or args.micro_batch < 1 or args.ddp_steps < 1:
@@ -313,8 +326,16 @@ def analyse_run(run_dir: Path, report: dict[str, Any], warmup: int) -> dict[str,
 
 
 def run_phase(
-    name: str, args: argparse.Namespace, root: Path, *, policy: str, kills: bool, spares: int = 0
+    name: str,
+    args: argparse.Namespace,
+    root: Path,
+    *,
+    policy: str,
+    kills: bool,
+    spares: int = 0,
+    health: bool | None = None,
 ) -> dict[str, Any]:
+    """One demo run; `health` overrides `--no-health` (the health arms)."""
     run_dir = root / name
     config = DemoConfig(
         replicas=args.replicas,
@@ -327,7 +348,7 @@ def run_phase(
         micro_batch=args.micro_batch,
         restart_policy=policy,
         live=False,
-        health=not args.no_health,
+        health=not args.no_health if health is None else health,
         spares=spares,
     )
     if not kills:
@@ -475,6 +496,7 @@ def overhead_repeats(phases: dict[str, dict[str, Any]], repeats: int) -> dict[st
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     known = [v for v in ddp if v is not None]
     return {
+        "health_cost": _health_cost(phases, repeats),
         "runs": rows,
         "ddp_median_step_s_each": ddp,
         "ratio_median": statistics.median(ratios) if ratios else None,
@@ -482,6 +504,21 @@ def overhead_repeats(phases: dict[str, dict[str, Any]], repeats: int) -> dict[st
         "ratio_max": max(ratios, default=None),
         "ddp_noise": (max(known) - min(known)) / statistics.median(known) if known else None,
     }
+
+
+def _health_cost(phases: dict[str, dict[str, Any]], repeats: int) -> dict[str, Any] | None:
+    """With the health arms: per repeat, the fault-free median step with health over the one
+    without it right after (the same machine a minute apart); None without them."""
+    ratios = []
+    for i in range(repeats):
+        suffix = "" if i == 0 else f"_{i}"
+        if f"faultfree_nohealth{suffix}" not in phases:
+            return None
+        on = dig(phases, f"faultfree{suffix}", "step_times", "interval_s", "median")
+        off = dig(phases, f"faultfree_nohealth{suffix}", "step_times", "interval_s", "median")
+        ratios.append(_ratio(on, off))
+    known = [r for r in ratios if r is not None]
+    return {"ratios": ratios, "median": statistics.median(known) if known else None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -509,6 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases[f"faultfree{suffix}"] = run_phase(
             f"faultfree{suffix}", args, root, policy="replica", kills=False
         )
+        if args.health_arms:
+            name = f"faultfree_nohealth{suffix}"
+            phases[name] = run_phase(name, args, root, policy="replica", kills=False, health=False)
         after = "ddp_after" if i == 0 else f"ddp_after_{i}"
         phases[after] = run_ddp_phase(after, args, root)
     mach["load_avg_end"] = _load()

@@ -195,6 +195,13 @@ def render_overhead(result: dict[str, Any]) -> list[str]:
             f" max {_f(rep['ratio_max'], '.3f')}); DDP medians spread "
             f"{_f(rep['ddp_noise'], '.1%')} of their median (machine noise)",
         ]
+    cost = rep.get("health_cost") if rep else None
+    if cost:
+        each = ", ".join(_f(r, ".3f") for r in cost["ratios"])
+        lines.append(
+            f"  health's own cost, each run with it / the run without it right after: {each}; "
+            f"median {_f(cost['median'], '.3f')}"
+        )
     return lines
 
 
