@@ -88,7 +88,7 @@ class NodeView:
     dropped: int
     interval_s: float | None = None
     """The agent's forward cadence as seen here (a moving average of the gaps between its node
-    states; None after the first)."""
+    states, each counted at most at twice the average; None after the first)."""
 
 
 def policy_for(incident: Incident, config: DetectorConfig) -> str:
@@ -202,7 +202,13 @@ class CentralEngine:
         interval = None
         if previous is not None:
             gap = max(0.0, now - previous.last_seen)
-            interval = gap if previous.interval_s is None else 0.8 * previous.interval_s + 0.2 * gap
+            interval = gap
+            if previous.interval_s is not None:
+                # A gap past twice the cadence is an outage (a cut link, a stalled agent), not
+                # the cadence: counted at twice it, so one forward after a cut does not keep the
+                # agent "alive" for seconds, while a cadence that really grew is followed within
+                # a dozen forwards.
+                interval = 0.8 * previous.interval_s + 0.2 * min(gap, 2 * previous.interval_s)
         self._nodes[state.node] = NodeView(
             node=state.node,
             ranks=len(state.ranks),

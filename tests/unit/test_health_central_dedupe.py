@@ -233,6 +233,25 @@ async def test_a_held_verdict_whose_agent_falls_silent_in_the_grace_is_dropped()
     assert await _stored(engine) == []
 
 
+async def test_a_link_that_flaps_leaves_the_ranks_behind_it_to_the_quorum_service() -> None:
+    """A link to central alone that comes back for one forward and is cut again: the outage is
+    not the agent's cadence, so the agent is not taken as alive for seconds after that forward
+    (its ranks' silence then is the cut again, not a death under a live agent)."""
+    clock, quorum = Clock(), RecordingQuorum()
+    quorum.clock = clock
+    engine = _engine(clock, quorum)
+    await _run(engine, clock, 1.0, R0, R1)
+    await _silent_node(engine, clock, 6.0)
+    await _run(engine, clock, 0.1, R0, R1)  # one forward gets through
+    (node,) = engine.nodes()
+    assert node.interval_s is not None and node.interval_s < 0.25
+    await _silent_node(engine, clock, TIMEOUT_S + AGENT_GRACE_S + 1.0)
+    await _drain(engine)
+    assert quorum.reports == []  # never unconditionally: the replica trains on behind the cut
+    assert {r for r, _, _ in quorum.conditional} == {"r0", "r1"}
+    assert await _stored(engine) == []
+
+
 async def test_a_rank_dying_once_its_agent_is_heard_again_is_reported() -> None:
     clock, quorum = Clock(), RecordingQuorum()
     engine = _engine(clock, quorum)
