@@ -4,7 +4,9 @@ Each replica is `ranks` processes of CMD, given what `torchrun` would give them 
 `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`: a fresh port per
 incarnation) plus the stack's env file variables and the replica's `FTHSDP_REPLICA_ID`,
 `FTHSDP_REPLICA_INDEX`, `FTHSDP_TOTAL_REPLICAS`, so `dist.init_process_group()` and
-`fthsdp.ManagerConfig.from_env()` need nothing else. Output goes to `RUN_DIR/logs/<replica>.log`.
+`fthsdp.ManagerConfig.from_env()` need nothing else; at the first launch also
+`FTHSDP_AWAIT_REPLICAS_S`, so the replicas take their first step together (0 at a restart).
+Output goes to `RUN_DIR/logs/<replica>.log`.
 
 The replica is the unit of failure: a rank that exits non-zero (or by a signal) takes the rest of
 its replica down, the quorum service is told at once (the survivors' next quorum leaves it out;
@@ -69,6 +71,10 @@ class JobConfig:
     """Wait before a failed replica starts fresh processes (spares take over at once)."""
     max_failures_in_a_row: int = 10
     """Quick failures of one replica after which the launcher gives up (0: never restart)."""
+    await_replicas_s: float = 30.0
+    """At the job's first launch, how long each replica's leader waits for every replica to
+    register before its first step (`FTHSDP_AWAIT_REPLICAS_S`, read by
+    `ManagerConfig.from_env`); restarts get 0 and join the running job at once."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -81,6 +87,8 @@ class JobConfig:
             raise ValueError(f"--spares must be in 0..{MAX_SPARES}")
         if self.restart_delay_s < 0 or self.max_failures_in_a_row < 0:
             raise ValueError("the restart delay and the failure limit must not be negative")
+        if not 0 <= self.await_replicas_s <= 3600:
+            raise ValueError("--await-replicas-s must be in 0..3600")
 
 
 class FailureSink(Protocol):
@@ -253,6 +261,9 @@ class JobLauncher:
             "FTHSDP_REPLICA_ID": replica.replica_id,
             "FTHSDP_REPLICA_INDEX": str(replica.index),
             "FTHSDP_TOTAL_REPLICAS": str(self._config.replicas),
+            "FTHSDP_AWAIT_REPLICAS_S": str(
+                self._config.await_replicas_s if replica.starts == 1 else 0.0
+            ),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": ranks,

@@ -148,6 +148,12 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="wait before a failed replica starts fresh processes (default 1; spares: none)",
     )  # fmt: skip
     p.add_argument(
+        "--await-replicas-s", type=float, default=30.0,
+        help="at the job's first launch, each replica's leader waits up to this long for every "
+        "replica to register before its first step, so the job starts together (0: no wait; "
+        "restarts never wait; default 30)",
+    )  # fmt: skip
+    p.add_argument(
         "job_command", nargs=argparse.REMAINDER, metavar="-- CMD",
         help="the rank's command (with --replicas)",
     )  # fmt: skip
@@ -213,4 +219,5 @@ def job_of(args: argparse.Namespace) -> JobConfig | None:
         spares=args.spares,
         restart_delay_s=args.restart_delay_s,
         max_failures_in_a_row=args.max_restarts,
+        await_replicas_s=args.await_replicas_s,
     )

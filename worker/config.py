@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -121,6 +121,12 @@ class ManagerConfig:
     catch-ups, quorum wait) on this port (0: any free one); None: no metrics."""
     metrics_host: str = "127.0.0.1"
     """Interface the metrics endpoint binds."""
+    await_replicas: timedelta = timedelta(0)
+    """How long the leader waits, before the first step, until every one of `total_replicas`
+    replicas has registered with the quorum service (the job starts together, as a torchrun
+    rendezvous does, rather than on the first replicas up with the others joining some steps in
+    as recovering). 0: no wait. A launcher sets it at a job's first launch only: a restarted
+    replica joins the running job at once (`fthsdp up` and the demo do so)."""
     exit_on_teardown: bool = True
     """When the quorum service evicts this replica for a teardown (the health service found one
     of its ranks dead or hung), every rank aborts the replica's process group and exits with
@@ -148,6 +154,8 @@ class ManagerConfig:
             raise ValueError(f"max_micro_steps must be in 0..{MAX_MICRO_STEPS}")
         if self.fingerprint_every_steps < 0:
             raise ValueError("fingerprint_every_steps must be >= 0")
+        if self.await_replicas < timedelta(0):
+            raise ValueError("await_replicas must not be negative")
         for name in ("control_plane_grace", "position_record_interval"):
             value = getattr(self, name)
             if value is not None and value < timedelta(0):
@@ -175,6 +183,7 @@ class ManagerConfig:
         | `FTHSDP_TOKEN` or `FTHSDP_TOKEN_FILE` | token |
         | `FTHSDP_LR_POLICY`, `FTHSDP_METRICS_PORT`, `FTHSDP_DURABLE_EVERY_STEPS` | as named |
         | `FTHSDP_MICRO_STEPS`, `FTHSDP_MAX_MICRO_STEPS` | as named |
+        | `FTHSDP_AWAIT_REPLICAS_S` (seconds) | await_replicas |
 
         A missing required variable raises ValueError naming it."""
         environ = os.environ if env is None else env
@@ -185,7 +194,8 @@ class ManagerConfig:
                 try:
                     values[name] = kind(raw)
                 except ValueError as exc:
-                    raise ValueError(f"{variable}={raw!r} is not a valid {kind.__name__}") from exc
+                    what = _KIND_NAMES.get(kind, "value")
+                    raise ValueError(f"{variable}={raw!r} is not a valid {what}") from exc
         values.update(overrides)
         if "token" not in values:
             values["token"] = load_token(env=dict(environ)).value
@@ -197,7 +207,15 @@ class ManagerConfig:
         return cls(**values)
 
 
-_ENV_FIELDS: dict[str, tuple[str, type]] = {
+def seconds(raw: str) -> timedelta:
+    """A duration given in seconds (ValueError unless finite)."""
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number of seconds: {raw!r}")
+    return timedelta(seconds=value)
+
+
+_ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "job_id": ("FTHSDP_JOB_ID", str),
     "replica_id": ("FTHSDP_REPLICA_ID", str),
     "replica_index": ("FTHSDP_REPLICA_INDEX", int),
@@ -211,5 +229,11 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "durable_every_steps": ("FTHSDP_DURABLE_EVERY_STEPS", int),
     "micro_steps": ("FTHSDP_MICRO_STEPS", int),
     "max_micro_steps": ("FTHSDP_MAX_MICRO_STEPS", int),
+    "await_replicas": ("FTHSDP_AWAIT_REPLICAS_S", seconds),
 }
-"""`ManagerConfig.from_env`: field → (variable, type)."""
+"""`ManagerConfig.from_env`: field → (variable, parser)."""
+_KIND_NAMES: dict[Callable[[str], Any], str] = {
+    int: "integer",
+    str: "string",
+    seconds: "number of seconds",
+}

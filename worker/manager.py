@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 from torch.autograd import Variable
@@ -44,7 +45,7 @@ from fthsdp.worker.peer_state import PeerState, StateFetchError
 from fthsdp.worker.plan import StepPlan
 from fthsdp.worker.plan_channel import PlanChannel
 from fthsdp.worker.position_records import PositionRecords
-from fthsdp.worker.quorum_link import QuorumLink
+from fthsdp.worker.quorum_link import QuorumLink, await_replicas
 from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.ring_watch import RingWatch, exit_for_restart
 from fthsdp.worker.state import ReplicatedState, Stateful, fingerprint
@@ -170,6 +171,8 @@ class Manager:
             )
         for thread in self._threads:
             thread.start()
+        if self._link is not None and config.await_replicas > timedelta(0):
+            await_replicas(config, self._stop)
 
     # ---- setup ---------------------------------------------------------------------------
 

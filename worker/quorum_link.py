@@ -164,3 +164,30 @@ class QuorumLink:
 
     def _context(self, **fields: object) -> dict[str, object]:
         return {"replica_id": self._config.replica_id, "rank": 0, **fields}
+
+
+def await_replicas(config: ManagerConfig, stop: threading.Event) -> None:
+    """Waits up to `config.await_replicas` until every replica of the job has registered with
+    the quorum service; a wait that runs out, or a service that cannot say, is logged and
+    training starts (the quorum service decides who trains anyway). Its own client: the link's
+    heartbeats go on meanwhile."""
+    wait_s = config.await_replicas.total_seconds()
+    deadline = time.monotonic() + wait_s
+    context = {"replica_id": config.replica_id, "rank": 0}
+    client = QuorumClient(config.quorum_address, config.token, connect_timeout=timedelta(seconds=2))
+    try:
+        while not stop.is_set():
+            registered = len(client.status().members)
+            if registered >= config.total_replicas:
+                return
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "%d of %d replicas registered in %.0f s: training starts without the others",
+                    registered, config.total_replicas, wait_s, extra=context,
+                )  # fmt: skip
+                return
+            stop.wait(0.05)
+    except Exception as exc:
+        log.warning("could not wait for the other replicas: %s", exc, extra=context)
+    finally:
+        client.close()

@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,7 +35,6 @@ from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.common.private_dir import default_shm_dir
 from fthsdp.services.common.tokens import load_token
-from fthsdp.services.quorum.client import QuorumClient
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.faults import FaultPlan
 from fthsdp.worker.ftar import FtarConfig
@@ -191,25 +189,6 @@ def shard_replica(model: torch.nn.Module, group: ReplicaGroup) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def _await_replicas(args: argparse.Namespace, token: str) -> None:
-    """Waits until every replica of the job registered with the quorum service (or the wait is
-    up, or the service cannot say): a job starts together, as a torchrun rendezvous does, rather
-    than on the first replicas up with the others joining later as recovering, some steps in."""
-    client = QuorumClient(args.quorum, token, connect_timeout=timedelta(seconds=2))
-    deadline = time.monotonic() + args.await_replicas_s
-    try:
-        while time.monotonic() < deadline:
-            if len(client.status().members) >= args.total_replicas:
-                return
-            time.sleep(0.05)
-        log.warning("not every replica registered in %.0f s: training starts without them",
-                    args.await_replicas_s)  # fmt: skip
-    except Exception as exc:  # the quorum service decides who trains anyway
-        log.warning("could not wait for the other replicas: %s", exc)
-    finally:
-        client.close()
-
-
 def _stop_at(stop_file: Path | None) -> int:
     if stop_file is None:
         return -1
@@ -301,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             max_micro_steps=args.max_micro_steps,
             overlap_backward=args.overlap_backward,
             health_address=args.health,
+            await_replicas=timedelta(seconds=args.await_replicas_s),
             control_plane_grace=(
                 None
                 if args.control_plane_grace_ms < 0
@@ -326,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         persistent_workers=args.loader_workers > 0,
     )
     batches = iter(loader)  # endless: the same samples again until a step commits with them
-    if group.is_leader and args.await_replicas_s > 0:
-        _await_replicas(args, token)
     if events is not None:
         events.write(StartEvent(replica=args.replica_id, step=manager.step, pid=os.getpid()))
     terminate = False

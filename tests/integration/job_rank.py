@@ -1,8 +1,8 @@
 """A rank for the launcher tests, without torch: `python job_rank.py DIR`.
 
 It takes its identity when it is a spare, then appends one JSON line to DIR/ranks.jsonl (who it
-is, whether it was a spare, its pid and rendezvous port) and behaves as DIR says: it exits 3 at
-once while DIR/crash exists, exits 0 once DIR/stop exists, and otherwise waits for that."""
+is, whether it was a spare, its pid, rendezvous port and start wait) and behaves as DIR says: it
+exits 3 at once while DIR/crash exists, exits 0 once DIR/stop exists, and otherwise waits."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def main() -> int:
         "port": int(os.environ["MASTER_PORT"]),
         "spare": identity is not None,
         "pid": os.getpid(),
+        "await": os.environ.get("FTHSDP_AWAIT_REPLICAS_S"),
     }
     with (where / "ranks.jsonl").open("a") as out:
         out.write(json.dumps(line) + "\n")

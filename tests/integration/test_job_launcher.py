@@ -113,6 +113,7 @@ def test_a_spare_takes_its_identity_and_an_emptied_pool_exits_cleanly(tmp_path: 
             "port": 1234,
             "spare": True,
             "pid": pid,
+            "await": None,
         }
         assert "rank r5/1 up" in (tmp_path / "r5.log").read_text()  # its output moved there
         left = pool.take(1)
@@ -137,6 +138,8 @@ def test_a_killed_rank_takes_its_replica_down_and_warm_spares_take_over(
     )
     first = {(x["replica"], x["rank"]): x for x in _ranks(r.dir)}
     assert not any(x["spare"] for x in first.values())
+    # The first launch starts together (the Manager's start wait); restarts never wait.
+    assert {x["await"] for x in first.values()} == {"30.0"}
     assert first["r0", 0]["port"] == first["r0", 1]["port"] != first["r1", 0]["port"]
     survivor_pids = set(r.launcher.pids()["r1"])
 
@@ -146,6 +149,7 @@ def test_a_killed_rank_takes_its_replica_down_and_warm_spares_take_over(
     assert r.failures.sent == [("r0", f"rank 1 exited with {-signal.SIGKILL}")]
     taken = {(x["replica"], x["rank"]): x for x in _ranks(r.dir)[4:]}
     assert set(taken) == {("r0", 0), ("r0", 1)} and all(x["spare"] for x in taken.values())
+    assert {x["await"] for x in taken.values()} == {"0.0"}
     assert taken["r0", 0]["port"] == taken["r0", 1]["port"] != first["r0", 0]["port"]
     assert set(r.launcher.pids()["r1"]) == survivor_pids  # the other replica never noticed
     assert any("taken over by 2 warm spare(s)" in line for line in r.reports)
@@ -162,6 +166,7 @@ def test_without_warm_spares_a_failed_replica_restarts_fresh(run: Callable[..., 
     os.kill(int(_ranks(r.dir)[0]["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
     r.poll_until("the restart", lambda: len(_ranks(r.dir)) == 2)
     assert not _ranks(r.dir)[1]["spare"]
+    assert [x["await"] for x in _ranks(r.dir)] == ["30.0", "0.0"]
     assert any("restarted as fresh processes" in line for line in r.reports)
 
 

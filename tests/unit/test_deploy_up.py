@@ -230,6 +230,7 @@ def test_a_second_launcher_on_a_live_run_dir_is_refused(tmp_path: Path) -> None:
         (["--replicas", "0", "--", "x"], "at least 1"),
         (["--replicas", "2", "--spares", "65", "--", "x"], "0..64"),
         (["--replicas", "600", "--ranks", "2", "--", "x"], "at most 1024"),
+        (["--replicas", "2", "--await-replicas-s", "-1", "--", "x"], "0..3600"),
     ],
 )
 def test_a_half_given_job_is_refused(argv: list[str], error: str) -> None:
@@ -242,7 +243,8 @@ def test_a_half_given_job_is_refused(argv: list[str], error: str) -> None:
 def test_the_job_runs_the_command_after_the_double_dash(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_up_parser(parser.add_subparsers(dest="command"))
-    argv = ["up", "--replicas", "3", "--ranks", "2", "--spares", "2", "--max-restarts", "4"]
+    argv = ["up", "--replicas", "3", "--ranks", "2", "--spares", "2", "--max-restarts", "4",
+            "--await-replicas-s", "12"]  # fmt: skip
     job = job_of(parser.parse_args([*argv, "--", "python", "train.py", "--steps", "5"]))
     assert job == JobConfig(
         command=("python", "train.py", "--steps", "5"),
@@ -251,6 +253,7 @@ def test_the_job_runs_the_command_after_the_double_dash(tmp_path: Path) -> None:
         spares=2,
         restart_delay_s=1.0,
         max_failures_in_a_row=4,
+        await_replicas_s=12.0,
     )
     assert job_of(parser.parse_args(["up"])) is None
 

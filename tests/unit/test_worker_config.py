@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -45,6 +46,17 @@ def test_from_env_names_what_is_missing_or_malformed() -> None:
         ManagerConfig.from_env({**ENV, "FTHSDP_REPLICA_INDEX": "one"})
     with pytest.raises(ValueError, match="lr_policy"):
         ManagerConfig.from_env({**ENV, "FTHSDP_LR_POLICY": "cubic"})
+
+
+def test_the_start_wait_comes_in_seconds_and_is_checked() -> None:
+    assert _config().await_replicas == timedelta(0)
+    config = ManagerConfig.from_env({**ENV, "FTHSDP_AWAIT_REPLICAS_S": "2.5"})
+    assert config.await_replicas == timedelta(seconds=2.5)
+    for bad in ("soon", "inf", "nan"):
+        with pytest.raises(ValueError, match=f"FTHSDP_AWAIT_REPLICAS_S='{bad}' is not a valid "):
+            ManagerConfig.from_env({**ENV, "FTHSDP_AWAIT_REPLICAS_S": bad})
+    with pytest.raises(ValueError, match="await_replicas must not be negative"):
+        ManagerConfig.from_env({**ENV, "FTHSDP_AWAIT_REPLICAS_S": "-1"})
 
 
 def test_lr_factor_per_policy() -> None:
