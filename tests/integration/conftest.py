@@ -40,14 +40,28 @@ async def quorum_server(make_quorum_server: QuorumServerFactory) -> QuorumServer
 
 
 @pytest.fixture
-def quorum_thread(token: str) -> Iterator[QuorumServerThread]:
+def make_quorum_thread(token: str) -> Iterator[Callable[..., QuorumServerThread]]:
+    """Starts quorum servers on their own loop threads, for synchronous clients (config fields
+    as keyword overrides); stops them all."""
+    threads: list[QuorumServerThread] = []
+
+    def make(**overrides: Any) -> QuorumServerThread:
+        thread = QuorumServerThread(
+            QuorumConfig(**{"port": 0, "admin_port": 0, **overrides}), token
+        )
+        thread.start()
+        threads.append(thread)
+        return thread
+
+    yield make
+    for thread in threads:
+        thread.stop(timedelta(seconds=0.5))
+
+
+@pytest.fixture
+def quorum_thread(make_quorum_thread: Callable[..., QuorumServerThread]) -> QuorumServerThread:
     """A quorum server on its own loop thread, for synchronous clients."""
-    thread = QuorumServerThread(
-        QuorumConfig(port=0, admin_port=0, join_timeout=timedelta(seconds=1)), token
-    )
-    thread.start()
-    yield thread
-    thread.stop(timedelta(seconds=0.5))
+    return make_quorum_thread(join_timeout=timedelta(seconds=1))
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:

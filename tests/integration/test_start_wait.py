@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 
 from fthsdp.services.quorum.client import QuorumClient, RankEndpoint
-from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.server import QuorumServerThread
 from fthsdp.worker.config import ManagerConfig
 from fthsdp.worker.quorum_link import await_replicas
@@ -21,14 +20,9 @@ RANK = RankEndpoint(ftar="127.0.0.1:29500", checkpoint="http://127.0.0.1:8080")
 
 
 @pytest.fixture
-def service(token: str) -> Iterator[QuorumServerThread]:
+def service(make_quorum_thread: Callable[..., QuorumServerThread]) -> QuorumServerThread:
     # Registered replicas stay members for the test's length without heartbeats.
-    thread = QuorumServerThread(
-        QuorumConfig(port=0, admin_port=0, heartbeat_timeout=timedelta(seconds=60)), token
-    )
-    thread.start()
-    yield thread
-    thread.stop(timedelta(seconds=0.5))
+    return make_quorum_thread(heartbeat_timeout=timedelta(seconds=60))
 
 
 def _config(address: str, token: str, wait_s: float) -> ManagerConfig:
