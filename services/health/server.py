@@ -3,9 +3,8 @@ interceptor, grpc.health.v1 and reflection; embeddable as `IngestServer`.
 
 The handler only decodes and validates a batch (`client_codec.batch_from_pb`, which also rebases
 the sender's times onto this host's clock), refuses one held up in the network (`transit`), and
-hands it to an `IngestSink`: the central engine
-(`central.py`) or the node agent (`agent.py`). Both modes serve the same API, so a rank reports
-to either without knowing which it talks to."""
+hands it to an `IngestSink`: the central engine (`central.py`) or the node agent (`agent.py`).
+Both modes serve the same API, so a rank reports to either without knowing which it talks to."""
 
 from __future__ import annotations
 
