@@ -24,7 +24,7 @@ forwarded to the central service every `forward_interval` with the node's compac
 ranks, their steps and silence), so the central load grows with nodes, not ranks. Losing the
 central service never blocks the agent: a forward has a deadline, failed batches are dropped and
 counted (incidents excepted: they are kept and retried), the buffer is bounded, and retries back
-off up to a few seconds."""
+off up to a few seconds, jittered (`services.common.backoff`)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import grpc
 
 from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.common.backoff import Backoff
 from fthsdp.services.common.process_ref import ProcessRef
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import (
@@ -368,6 +370,13 @@ class NodeAgent:
 
     async def _forward_loop(self) -> None:
         interval = self._config.forward_interval.total_seconds()
+        # After a failed forward: jittered, so that a central service back from a restart is
+        # not met by every agent of the job in the same instant.
+        retry = Backoff(
+            initial=timedelta(seconds=2 * interval),
+            maximum=timedelta(seconds=max(_MAX_BACKOFF_S, 2 * interval)),
+        )
+        delays: Iterator[float] | None = None
         delay = interval
         while True:
             await asyncio.sleep(delay)
@@ -376,7 +385,11 @@ class NodeAgent:
             except Exception:
                 log.exception("agent forward failed unexpectedly")
                 ok = False
-            delay = interval if ok else min(delay * 2, _MAX_BACKOFF_S)
+            if ok:
+                delays, delay = None, interval
+            else:
+                delays = delays or retry.delays()
+                delay = next(delays)
 
     def node_state(self) -> NodeState:
         """This node's compact state: every beating rank (silent ones are already incidents)."""

@@ -10,9 +10,9 @@ heartbeats: the thread beats while the rank's process runs, so a process that di
 falls silent, while a rank stuck inside a collective keeps beating without progress and is a
 hang, not a fail-stop; each heartbeat names this start of the process, so a restart is told
 apart from a rank that merely went quiet). A dead or slow health service costs a failed RPC in
-that thread and a backoff (up to 2 s) before the next try; records queued meanwhile are dropped
-once the queue is full. Invalid records (bad arguments) are dropped and counted too, never
-raised, so one bad value cannot poison a batch."""
+that thread and a jittered backoff (up to 2 s) before the next try; records queued meanwhile are
+dropped once the queue is full. Invalid records (bad arguments) are dropped and counted too,
+never raised, so one bad value cannot poison a batch."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +32,7 @@ import grpc
 
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.protos import health_pb2_grpc as pb_grpc
+from fthsdp.services.common.backoff import Backoff
 from fthsdp.services.common.process_ref import this_process
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import RankRecord, add_rank_record
@@ -240,7 +242,11 @@ class TelemetryClient:
     def _run(self) -> None:
         next_beat = 0.0
         retry_at = 0.0
-        delay = self._flush_s
+        retry = Backoff(
+            initial=timedelta(seconds=2 * self._flush_s),
+            maximum=timedelta(seconds=max(_MAX_BACKOFF_S, 2 * self._flush_s)),
+        )
+        delays: Iterator[float] | None = None
         while not self._stop.wait(self._flush_s):
             now = time.monotonic()
             beat = now >= next_beat
@@ -249,10 +255,10 @@ class TelemetryClient:
             if now < retry_at:
                 continue  # backing off: the queue fills and drops; heartbeats are skipped
             if self._flush(beat):
-                delay = self._flush_s
+                delays = None
             else:
-                delay = min(delay * 2, _MAX_BACKOFF_S)
-                retry_at = time.monotonic() + delay
+                delays = delays or retry.delays()
+                retry_at = time.monotonic() + next(delays)
         with contextlib.suppress(Exception):
             self._flush(beat=True, final=True)
 
