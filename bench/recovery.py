@@ -479,15 +479,20 @@ def compare(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _repeat(phase: str, i: int) -> str:
+    """The name of a phase's i-th repeat (the first keeps the bare name)."""
+    return phase if i == 0 else f"{phase}_{i}"
+
+
 def overhead_repeats(phases: dict[str, dict[str, Any]], repeats: int) -> dict[str, Any]:
     """Per fault-free run, its median step against the mean of the DDP runs right before and
     right after it; the median over the runs is the overhead to read. The spread of the DDP
     runs' medians is the machine's noise on this measurement."""
-    ddp_names = ["ddp_before", *(f"ddp_after_{i}" if i else "ddp_after" for i in range(repeats))]
+    ddp_names = ["ddp_before", *(_repeat("ddp_after", i) for i in range(repeats))]
     ddp = [dig(phases, name, "interval_s", "median") for name in ddp_names]
     rows = []
     for i in range(repeats):
-        ft = dig(phases, "faultfree" if i == 0 else f"faultfree_{i}", "step_times", "interval_s")
+        ft = dig(phases, _repeat("faultfree", i), "step_times", "interval_s")
         around = [v for v in (ddp[i], ddp[i + 1]) if v is not None]
         base = statistics.mean(around) if around else None
         median = None if ft is None else ft.get("median")
@@ -511,11 +516,10 @@ def _health_cost(phases: dict[str, dict[str, Any]], repeats: int) -> dict[str, A
     without it right after (the same machine a minute apart); None without them."""
     ratios = []
     for i in range(repeats):
-        suffix = "" if i == 0 else f"_{i}"
-        if f"faultfree_nohealth{suffix}" not in phases:
+        if _repeat("faultfree_nohealth", i) not in phases:
             return None
-        on = dig(phases, f"faultfree{suffix}", "step_times", "interval_s", "median")
-        off = dig(phases, f"faultfree_nohealth{suffix}", "step_times", "interval_s", "median")
+        on = dig(phases, _repeat("faultfree", i), "step_times", "interval_s", "median")
+        off = dig(phases, _repeat("faultfree_nohealth", i), "step_times", "interval_s", "median")
         ratios.append(_ratio(on, off))
     known = [r for r in ratios if r is not None]
     return {"ratios": ratios, "median": statistics.median(known) if known else None}
@@ -542,15 +546,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # drift during the benchmark hits both sides alike.
     phases["ddp_before"] = run_ddp_phase("ddp_before", args, root)
     for i in range(args.overhead_repeats):
-        suffix = "" if i == 0 else f"_{i}"
-        phases[f"faultfree{suffix}"] = run_phase(
-            f"faultfree{suffix}", args, root, policy="replica", kills=False
-        )
+        name = _repeat("faultfree", i)
+        phases[name] = run_phase(name, args, root, policy="replica", kills=False)
         if args.health_arms:
-            name = f"faultfree_nohealth{suffix}"
+            name = _repeat("faultfree_nohealth", i)
             phases[name] = run_phase(name, args, root, policy="replica", kills=False, health=False)
-        after = "ddp_after" if i == 0 else f"ddp_after_{i}"
-        phases[after] = run_ddp_phase(after, args, root)
+        name = _repeat("ddp_after", i)
+        phases[name] = run_ddp_phase(name, args, root)
     mach["load_avg_end"] = _load()
     result: dict[str, Any] = {
         "benchmark": "recovery",

@@ -207,7 +207,7 @@ class ManagerConfig:
         return cls(**values)
 
 
-def seconds(raw: str) -> timedelta:
+def _seconds(raw: str) -> timedelta:
     """A duration given in seconds (ValueError unless finite)."""
     value = float(raw)
     if not math.isfinite(value):
@@ -229,11 +229,11 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "durable_every_steps": ("FTHSDP_DURABLE_EVERY_STEPS", int),
     "micro_steps": ("FTHSDP_MICRO_STEPS", int),
     "max_micro_steps": ("FTHSDP_MAX_MICRO_STEPS", int),
-    "await_replicas": ("FTHSDP_AWAIT_REPLICAS_S", seconds),
+    "await_replicas": ("FTHSDP_AWAIT_REPLICAS_S", _seconds),
 }
 """`ManagerConfig.from_env`: field → (variable, parser)."""
 _KIND_NAMES: dict[Callable[[str], Any], str] = {
     int: "integer",
     str: "string",
-    seconds: "number of seconds",
+    _seconds: "number of seconds",
 }

@@ -36,6 +36,33 @@ class Backoff:
             bound = min(cap, bound * self.multiplier)
 
 
+class Retries:
+    """The delays of a loop that retries after failures in a row: each failure draws the next
+    delay of a `Backoff.delays()` run, and a success makes the next failure start a fresh run."""
+
+    def __init__(self, backoff: Backoff, rng: random.Random | None = None) -> None:
+        self._backoff = backoff
+        self._rng = rng
+        self._run: Iterator[float] | None = None
+
+    @classmethod
+    def after(cls, interval_s: float, cap_s: float, rng: random.Random | None = None) -> Retries:
+        """Retries of a loop that runs every `interval_s`: the first delay up to twice that,
+        the bound growing to `cap_s` (or twice the interval, if that is more)."""
+        first = timedelta(seconds=2 * interval_s)
+        return cls(Backoff(initial=first, maximum=max(first, timedelta(seconds=cap_s))), rng)
+
+    def failed(self) -> float:
+        """The delay before the next try, in seconds."""
+        if self._run is None:
+            self._run = self._backoff.delays(self._rng)
+        return next(self._run)
+
+    def succeeded(self) -> None:
+        """The failures in a row are over."""
+        self._run = None
+
+
 def sleep_before_retry(delays: Iterator[float], deadline: float) -> bool:
     """Sleeps the next delay, clipped to the deadline (a `time.monotonic()` value).
 

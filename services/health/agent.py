@@ -34,14 +34,13 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from fthsdp.protos import health_pb2_grpc as pb_grpc
-from fthsdp.services.common.backoff import Backoff
+from fthsdp.services.common.backoff import Retries
 from fthsdp.services.common.process_ref import ProcessRef
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import (
@@ -372,11 +371,7 @@ class NodeAgent:
         interval = self._config.forward_interval.total_seconds()
         # After a failed forward: jittered, so that a central service back from a restart is
         # not met by every agent of the job in the same instant.
-        retry = Backoff(
-            initial=timedelta(seconds=2 * interval),
-            maximum=timedelta(seconds=max(_MAX_BACKOFF_S, 2 * interval)),
-        )
-        delays: Iterator[float] | None = None
+        retries = Retries.after(interval, _MAX_BACKOFF_S)
         delay = interval
         while True:
             await asyncio.sleep(delay)
@@ -386,10 +381,10 @@ class NodeAgent:
                 log.exception("agent forward failed unexpectedly")
                 ok = False
             if ok:
-                delays, delay = None, interval
+                retries.succeeded()
+                delay = interval
             else:
-                delays = delays or retry.delays()
-                delay = next(delays)
+                delay = retries.failed()
 
     def node_state(self) -> NodeState:
         """This node's compact state: every beating rank (silent ones are already incidents)."""

@@ -24,7 +24,6 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,7 +31,7 @@ import grpc
 
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.protos import health_pb2_grpc as pb_grpc
-from fthsdp.services.common.backoff import Backoff
+from fthsdp.services.common.backoff import Retries
 from fthsdp.services.common.process_ref import this_process
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import RankRecord, add_rank_record
@@ -242,11 +241,7 @@ class TelemetryClient:
     def _run(self) -> None:
         next_beat = 0.0
         retry_at = 0.0
-        retry = Backoff(
-            initial=timedelta(seconds=2 * self._flush_s),
-            maximum=timedelta(seconds=max(_MAX_BACKOFF_S, 2 * self._flush_s)),
-        )
-        delays: Iterator[float] | None = None
+        retries = Retries.after(self._flush_s, _MAX_BACKOFF_S)
         while not self._stop.wait(self._flush_s):
             now = time.monotonic()
             beat = now >= next_beat
@@ -255,10 +250,9 @@ class TelemetryClient:
             if now < retry_at:
                 continue  # backing off: the queue fills and drops; heartbeats are skipped
             if self._flush(beat):
-                delays = None
+                retries.succeeded()
             else:
-                delays = delays or retry.delays()
-                retry_at = time.monotonic() + next(delays)
+                retry_at = time.monotonic() + retries.failed()
         with contextlib.suppress(Exception):
             self._flush(beat=True, final=True)
 

@@ -39,9 +39,7 @@ class _Sender:
 class TransitDelays:
     """Per sender, how late each batch is against its quickest recent ones."""
 
-    def __init__(self, *, late_s: float = LATE_S, resync_s: float = RESYNC_S) -> None:
-        self._late_s = late_s
-        self._resync_s = resync_s
+    def __init__(self) -> None:
         self._senders: dict[tuple[str, str], _Sender] = {}
 
     def late(self, sender: tuple[str, str], offset: float, now: float) -> float | None:
@@ -54,13 +52,13 @@ class TransitDelays:
                 del self._senders[next(iter(self._senders))]
         self._senders[sender] = entry  # most recently heard last
         delay = offset - entry.reference
-        if delay <= self._late_s:
+        if delay <= LATE_S:
             entry.reference = offset if delay < 0 else entry.reference + _FOLLOW * delay
             entry.refused_since = None
             return None
         if entry.refused_since is None:
             entry.refused_since = now
-        elif now - entry.refused_since >= self._resync_s:
+        elif now - entry.refused_since >= RESYNC_S:
             entry.reference, entry.refused_since = offset, None
             return None
         return delay

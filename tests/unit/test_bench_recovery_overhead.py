@@ -18,9 +18,7 @@ def _ddp(median: float) -> dict[str, Any]:
     return {"interval_s": {"median": median}}
 
 
-def test_each_fault_free_run_is_judged_against_the_ddp_runs_around_it_and_health_by_its_arm() -> (
-    None
-):
+def test_each_run_is_judged_by_the_ddp_runs_around_it_and_health_by_its_arm() -> None:
     phases = {
         "ddp_before": _ddp(0.10),
         "faultfree": _step(0.12),
