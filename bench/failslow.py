@@ -50,7 +50,7 @@ from fthsdp.bench.failslow_analysis import (
     measure,
     planner_decisions,
 )
-from fthsdp.bench.throttle import ReplicaThrottle, read_procs
+from fthsdp.bench.throttle import CPU_PERIOD_US, ReplicaThrottle, read_procs
 from fthsdp.deploy.demo.events import CommitEvent, JsonlTail, RunLog
 
 SLOWDOWNS = (1.5, 2.0, 3.0)
@@ -338,7 +338,7 @@ def render(result: Mapping[str, Any]) -> str:
     lines = [
         f"fail-slow: {s['replicas']} replicas x {s['ranks']} ranks, "
         f"{s['micro_steps'] if s['micro'] else 1} micro-steps each, {s['victim']} throttled "
-        f"({result['throttle_backend']}, {s['period_ms']:g} ms cycles)",
+        f"({result['throttle_backend']}, {_cycle_ms(result['throttle_backend'], s):g} ms cycles)",
         "unthrottled samples/s: "
         + ", ".join(
             f"{p} {_f(r.get('base', {}).get('samples_per_s'), '.0f')}" for p, r in runs.items()
@@ -392,6 +392,11 @@ def _render_flaps(policy: str, run: Mapping[str, Any], s: Mapping[str, Any]) -> 
         f"{'YES' if thrash else 'no'}{'; NOT back to even at the end' if unsettled else ''}"
     )
     return lines
+
+
+def _cycle_ms(backend: str, settings: Mapping[str, Any]) -> float:
+    """The throttle's cycle: the CFS period of a cgroup backend, else `--period-ms`."""
+    return CPU_PERIOD_US / 1e3 if backend.startswith("cgroup") else float(settings["period_ms"])
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -305,8 +305,11 @@ def _flap_segment(span: Span, steps: Sequence[StepRecord], replicas: int) -> dic
             (s for s in steps if span.t0 <= s.t < span.t1 and is_even(s.shares, replicas)), None
         )
         row["even_after_s"] = None if even is None else even.t - span.t0
+        # By step, not time: a wall-clock time plus a nanosecond is the same float.
         row["changes_once_even"] = (
-            None if even is None else len(changes(steps, even.t + 1e-9, span.t1))
+            None
+            if even is None
+            else sum(1 for c in changes(steps, even.t, span.t1) if c["step"] > even.step)
         )
     return row
 

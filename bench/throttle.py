@@ -54,8 +54,11 @@ DEFAULT_PERIOD_S = 0.06
 """One stop/continue cycle of the `signals` backend."""
 RESCAN_S = 0.5
 """How often the replica's processes are looked up again (restarts bring new pids)."""
-CPU_PERIOD_US = 100_000
-"""`cpu.max` period of the `cgroup` backend."""
+CPU_PERIOD_US = 10_000
+"""`cpu.max` period of the `cgroup` backend: short against a step (a demo step is ~100 ms), so
+the limit holds within each step. With 100 ms a step whose work fitted in one period's quota
+ran at full speed and then idled at the exchange: a replica given fewer micro-steps looked
+healthy again, and the planner gave them back."""
 MIN_QUOTA_US = 1_000
 """The kernel refuses a `cpu.max` quota below 1 ms."""
 TICK_S = 0.25

@@ -15,7 +15,9 @@ options the policy allows, the planner takes the one with the highest predicted 
 second over `horizon_s`, where an eviction costs `evict_cost_s` of the whole job's progress, and
 it changes the current choice only for a predicted gain of at least `min_gain`, and not within
 `dwell_steps` of its last change: measurements are noisy, and a choice that flips every step is
-worse than either."""
+worse than either. Leaving the even split takes more: the same move (same action, same replicas
+losing micro-steps) must have been the best for `confirm_rounds` rounds in a row. On shared
+hosts a healthy replica is now and then a third slower for a few steps; a fail-slow lasts."""
 
 from __future__ import annotations
 
@@ -182,6 +184,7 @@ class FailSlowPlanner:
         min_gain: float = 0.15,
         margin: float = 0.3,
         dwell_steps: int = 8,
+        confirm_rounds: int = 8,
         min_replicas: int = 1,
         history: int = 32,
     ) -> None:
@@ -194,6 +197,9 @@ class FailSlowPlanner:
         self._margin = margin
         self._dwell = dwell_steps
         self._changed_step = -dwell_steps
+        self._confirm = confirm_rounds
+        self._candidate: tuple[tuple[Action, frozenset[str]], int] | None = None
+        """A departure from the even split that was the best in the last rounds, and how many."""
         self._min_replicas = min_replicas
         self._speeds: dict[str, _Speed] = {}
         self._current: Choice | None = None
@@ -271,6 +277,7 @@ class FailSlowPlanner:
             chosen = current  # a choice stands a few steps before it is weighed again
         else:
             chosen = choose(self.policy, opts, current, min_gain=self._min_gain)
+            chosen = self._confirmed(chosen, current, opts["keep"], even)
         changed = current is None or chosen.shares != current.shares or chosen.evicted
         before = current.shares if current is not None else dict.fromkeys(healthy, even)
         if chosen.shares != before or chosen.evicted:
@@ -285,6 +292,21 @@ class FailSlowPlanner:
                 self._evicted_at[rid] = now
             self._current = None
         return dict(chosen.shares), chosen.evicted
+
+    def _confirmed(self, chosen: Choice, current: Choice | None, keep: Choice, even: int) -> Choice:
+        """`chosen`, unless it leaves the even split before the same move was the best for
+        `confirm_rounds` rounds in a row (then the even split stays)."""
+        if chosen.action == "keep" or (current is not None and current.action != "keep"):
+            self._candidate = None
+            return chosen
+        losing = frozenset(r for r, k in chosen.shares.items() if k < even) | set(chosen.evicted)
+        key = (chosen.action, losing)
+        rounds = self._candidate[1] + 1 if self._candidate and self._candidate[0] == key else 1
+        if rounds < self._confirm:
+            self._candidate = (key, rounds)
+            return current if current is not None else keep
+        self._candidate = None
+        return chosen
 
     def _record(self, step: int, chosen: Choice, opts: Mapping[Action, Choice], even: int) -> None:
         if self.decisions and chosen.action == "keep" and self.decisions[-1].action == "keep":

@@ -3,6 +3,7 @@ and read back through `RunLog.load`, as the benchmark reads a real run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -251,9 +252,12 @@ FLAPS = [
 ]
 
 
-def _flap_run(tmp_path: Path, assignments: list[Shares]) -> list[dict[str, Any]]:
-    lines = [_commit("r0", i + 1, 200.5 + i, a) for i, a in enumerate(assignments)]
-    return measure(_run(tmp_path, lines), FLAPS, "r2", ["r0", "r1", "r2"])["flaps"]
+def _flap_run(
+    tmp_path: Path, assignments: list[Shares], epoch: float = 0.0
+) -> list[dict[str, Any]]:
+    lines = [_commit("r0", i + 1, epoch + 200.5 + i, a) for i, a in enumerate(assignments)]
+    spans = [dataclasses.replace(s, t0=s.t0 + epoch, t1=s.t1 + epoch) for s in FLAPS]
+    return measure(_run(tmp_path, lines), spans, "r2", ["r0", "r1", "r2"])["flaps"]
 
 
 def test_flaps_thrashing_when_the_assignment_moves_again_once_even(tmp_path: Path) -> None:
@@ -284,6 +288,13 @@ def test_flaps_no_thrashing_when_the_assignment_stays_even(tmp_path: Path) -> No
     assert off["changes_once_even"] == 0
     assert tail["even_after_s"] == pytest.approx(0.5)
     assert tail["changes_once_even"] == 0
+    assert flap_verdict(flaps) == (False, False)
+
+
+def test_flaps_at_wall_clock_times_count_the_return_to_even_once(tmp_path: Path) -> None:
+    """Commit lines carry Unix times (~1.8e9 s), where a float's resolution is ~0.2 us."""
+    flaps = _flap_run(tmp_path, [A3] * 6 + [A3, A3] + [EVEN3] * 10, epoch=1_796_657_000.0)
+    assert flaps[1]["changes_once_even"] == 0 and flaps[2]["changes_once_even"] == 0
     assert flap_verdict(flaps) == (False, False)
 
 

@@ -57,13 +57,13 @@ def test_next_stop_makes_up_for_late_wake_ups() -> None:
 
 
 def test_quota_grants_a_fraction_of_the_calibrated_cpu() -> None:
-    assert quota_us(2.0, 0.8) == 40_000
+    assert quota_us(2.0, 0.8) == 4_000
     assert quota_us(3.0, 0.6, period_us=50_000) == 10_000
     assert quota_us(1.0, 0.8) is None
     assert quota_us(2.0, None) is None  # nothing measured: no limit
     assert quota_us(100.0, 0.01) == 1_000  # the kernel's 1 ms floor
-    assert cpu_max(40_000) == "40000 100000"
-    assert cpu_max(None) == "max 100000"
+    assert cpu_max(4_000) == "4000 10000"
+    assert cpu_max(None) == "max 10000"
 
 
 def test_cgroup_path_of_either_hierarchy() -> None:
