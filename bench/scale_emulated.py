@@ -101,7 +101,7 @@ class Emulator:
 
     async def setup(self, deadline_s: float) -> dict[str, Any]:
         """Leaders join (each beats from then on, as a worker's heartbeat thread starts with its
-        link), then every leader opens its Watch stream."""
+        link) and open their Watch stream, a batch at a time."""
         started = time.monotonic()
         s = self.plan.settings
         self._beating = asyncio.run_coroutine_threadsafe(
@@ -120,13 +120,25 @@ class Emulator:
             rep.last_call = time.monotonic()
             rep.alive = True
 
-        await asyncio.gather(*(join(rep) for rep in self.replicas.values()))
+        # A batch at a time, each leader opening its stream as soon as it joined (as the
+        # worker's RingWatch does); at most two batches are between their join and a live
+        # stream, beating meanwhile: all of a big job's leaders beating at once (1,536 x 5 a
+        # second) would take more than the service can answer, and it would evict them.
+        end = started + deadline_s
+        reps = list(self.replicas.values())
+        self.ranks.prepare(len(reps))
+        opened = 0
+        for first in range(0, len(reps), s.open_batch):
+            batch = reps[first : first + s.open_batch]
+            await asyncio.gather(*(join(rep) for rep in batch))
+            for rep in batch:
+                if rep.alive:
+                    self.ranks.open_stream(rep)
+                    opened += 1
+            await self.ranks.wait_live(opened - s.open_batch, min(end, time.monotonic() + 5.0))
         joined_s = time.monotonic() - started
         total = sum(rep.alive for rep in self.replicas.values())
-        end = started + deadline_s
-        await self.ranks.open_streams(list(self.replicas.values()), end)
-        while self.ranks.counters["streams_live"] < total and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        await self.ranks.wait_live(total, end)
         # This process holds tens of thousands of ranks' objects, a real rank's process a few:
         # keep the collector from walking them (it inflated the plan work measured here ~10x).
         gc.freeze()

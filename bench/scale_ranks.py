@@ -42,7 +42,8 @@ class Settings:
     leaders_per_channel: int = 64
     agents_per_channel: int = 16
     open_batch: int = 128
-    """Watch streams opened per tick: leaders start over seconds, not all in one instant."""
+    """Leaders that join (and open their Watch stream) at once: a job's leaders start over
+    seconds, not all in one instant, and each beats only until its stream holds it."""
     heartbeat_interval_s: float = 0.2
     exchange_timeout_s: float = 30.0
     watch_retry_s: float = 0.2
@@ -122,36 +123,28 @@ class Ranks:
         self._sizes: dict[tuple[Any, ...], int] = {}
         self.closing = False
 
-    async def open_streams(self, replicas: list[Replica], end: float) -> None:
-        """Opens every live replica's leader stream, a batch at a time, until `end`."""
+    def prepare(self, leaders: int) -> None:
+        """The channels the leaders' streams share (`streams_per_channel` a channel)."""
         s = self.settings
         self.channels = [
             grpc.aio.insecure_channel(
                 self._target, options=[*CHANNEL_OPTIONS, ("grpc.channel_id", 100_000 + i)]
             )
-            for i in range(max(1, len(replicas) // s.streams_per_channel))
+            for i in range(max(1, leaders // s.streams_per_channel))
         ]
         self.watchers = [
             AsyncQuorumClient(self._target, self._token, channel=c) for c in self.channels
         ]
-        k = 0
-        for rep in replicas:
-            if not rep.alive:
-                continue
-            watcher = self.watchers[k % len(self.watchers)]
-            self.tasks.append(asyncio.create_task(self._leader(rep, watcher)))
-            k += 1
-            if k % s.open_batch == 0:
-                # At most two batches opening at once: a burst of thousands of new calls is
-                # partly cancelled by grpc, and starves the service's heartbeats.
-                wait_until = min(end, time.monotonic() + 5.0)
-                while (
-                    self.counters["streams_live"] < k - s.open_batch
-                    and time.monotonic() < wait_until
-                ):
-                    await asyncio.sleep(0.005)
-                if time.monotonic() > end:
-                    return
+
+    def open_stream(self, rep: Replica) -> None:
+        """Opens the leader's Watch stream (as its RingWatch starts right after its join)."""
+        watcher = self.watchers[len(self.tasks) % len(self.watchers)]
+        self.tasks.append(asyncio.create_task(self._leader(rep, watcher)))
+
+    async def wait_live(self, count: int, until: float) -> None:
+        """Until `count` streams delivered their snapshot, or `until`."""
+        while self.counters["streams_live"] < count and time.monotonic() < until:
+            await asyncio.sleep(0.005)
 
     async def close(self) -> None:
         self.closing = True
@@ -166,7 +159,7 @@ class Ranks:
         """The leader's RingWatch: follows its stream, reopens it after a failure."""
         while not self.closing and rep.rank_alive[0]:
             incarnation = rep.incarnation
-            stream = watcher.watch(holder=(rep.name, incarnation))
+            stream = watcher.watch(holder=(rep.name, incarnation), without_joins=True)
             try:
                 async for event in stream:
                     if event.kind == "snapshot":  # it names the incarnation it keeps alive

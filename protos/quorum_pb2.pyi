@@ -880,6 +880,7 @@ class WatchRequest(_message.Message):
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    WITHOUT_JOINS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """Optional: the replica whose leader opens this stream, with its current incarnation. While
     such a stream is open the replica counts as alive and needs no Heartbeat calls: the service
@@ -888,15 +889,20 @@ class WatchRequest(_message.Message):
     it holds; a stale one gets a plain stream (its SNAPSHOT names none).
     """
     incarnation: _builtins.int
+    without_joins: _builtins.bool
+    """Leave out JOINED events. A replica's ranks act on evictions, leaves and quorums only; when a
+    job of N replicas starts, JOINED events to every leader's stream are N^2 messages.
+    """
     def __init__(
         self,
         *,
         replica_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
+        without_joins: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "replica_id", b"replica_id", "without_joins", b"without_joins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -111,7 +111,8 @@ class RingWatch:
         assert self._client is not None
         incarnation = self._incarnation() if self._incarnation is not None else None
         holder = None if incarnation is None else (self._config.replica_id, incarnation)
-        stream = self._stream = self._client.watch(holder=holder)
+        # Joins change nothing for the ranks (their plans come with the quorum answers).
+        stream = self._stream = self._client.watch(holder=holder, without_joins=True)
         try:
             for event in stream:
                 if event.kind == "snapshot" and incarnation is not None:

@@ -205,10 +205,10 @@ def _memo_key(msg: pb.QuorumResponse) -> tuple[object, ...]:
     )
 
 
-def _watch_request(holder: tuple[str, int] | None) -> pb.WatchRequest:
+def _watch_request(holder: tuple[str, int] | None, without_joins: bool) -> pb.WatchRequest:
     if holder is None:
-        return pb.WatchRequest()
-    return pb.WatchRequest(replica_id=holder[0], incarnation=holder[1])
+        return pb.WatchRequest(without_joins=without_joins)
+    return pb.WatchRequest(replica_id=holder[0], incarnation=holder[1], without_joins=without_joins)
 
 
 def _join_request(replica_id: str, ranks: Sequence[RankEndpoint]) -> pb.JoinRequest:
@@ -393,15 +393,19 @@ class QuorumClient(_ClientSettings):
         return codec.status_from_pb(response)
 
     def watch(
-        self, *, timeout: timedelta | None = None, holder: tuple[str, int] | None = None
+        self,
+        *,
+        timeout: timedelta | None = None,
+        holder: tuple[str, int] | None = None,
+        without_joins: bool = False,
     ) -> WatchStream:
         """Membership events, the first being a `snapshot`; blocks between events. End it with
         `cancel()` on the stream or `close()` on the client, from any thread. `holder`: the
         replica (and incarnation) whose leader opens it, kept alive without heartbeats while
-        the stream is open."""
+        the stream is open. `without_joins`: no `joined` events (a leader's stream)."""
         index = self._failover.current
         call = self._stubs[index].Watch(
-            _watch_request(holder),
+            _watch_request(holder, without_joins),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )
@@ -559,13 +563,17 @@ class AsyncQuorumClient(_ClientSettings):
         return codec.status_from_pb(response)
 
     def watch(
-        self, *, timeout: timedelta | None = None, holder: tuple[str, int] | None = None
+        self,
+        *,
+        timeout: timedelta | None = None,
+        holder: tuple[str, int] | None = None,
+        without_joins: bool = False,
     ) -> AsyncWatchStream:
         """Membership events, the first being a `snapshot`; end it with `cancel()` or `close()`.
-        `holder` as in `QuorumClient.watch`."""
+        `holder` and `without_joins` as in `QuorumClient.watch`."""
         index = self._failover.current
         call = self._stubs[index].Watch(
-            _watch_request(holder),
+            _watch_request(holder, without_joins),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )

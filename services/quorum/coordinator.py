@@ -261,12 +261,14 @@ class Coordinator:
             raise StoreUnavailableError(f"cannot read the quorum history: {exc}") from exc
         return status.snapshot(self._state, members, records, self._failslow.decisions)
 
-    def subscribe(self, holder: tuple[str, int] | None = None) -> Subscription:
+    def subscribe(
+        self, holder: tuple[str, int] | None = None, *, without_joins: bool = False
+    ) -> Subscription:
         """A new event stream; its first event is a `snapshot` of the current membership. With
         `holder` (replica id, incarnation: the stream of that replica's leader), the replica
         counts as alive until `unsubscribe`, and the snapshot names that incarnation; a holder
         that is not a current incarnation gets a plain stream (its events still matter to it),
-        and a snapshot without one."""
+        and a snapshot without one. `without_joins`: no `joined` events."""
         self._ensure_open()
         if holder is not None:
             try:
@@ -276,7 +278,7 @@ class Coordinator:
         snapshot = self._event("snapshot", None, "current state")
         if holder is not None:
             snapshot = dataclasses.replace(snapshot, incarnation=holder[1])
-        sub = self._events.subscribe(snapshot)
+        sub = self._events.subscribe(snapshot, without_joins=without_joins)
         sub.holder = holder
         return sub
 

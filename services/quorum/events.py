@@ -11,11 +11,13 @@ from fthsdp.services.quorum.domain import MembershipEvent
 class Subscription:
     """One Watch stream's queue of events; `None` in the queue ends the stream."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, without_joins: bool = False) -> None:
         self.queue: asyncio.Queue[MembershipEvent | None] = asyncio.Queue(maxsize=size)
         self.overflowed = False
         self.holder: tuple[str, int] | None = None
         """The replica (and incarnation) this stream keeps alive, if its leader opened it."""
+        self.without_joins = without_joins
+        """`joined` events are not sent to it."""
 
     def offer(self, event: MembershipEvent | None) -> None:
         """Queues an event; a subscriber that fell `size` events behind is cut off."""
@@ -40,9 +42,9 @@ class EventHub:
         """Whether any stream is open (events are built only then)."""
         return bool(self._subscribers)
 
-    def subscribe(self, snapshot: MembershipEvent) -> Subscription:
+    def subscribe(self, snapshot: MembershipEvent, *, without_joins: bool = False) -> Subscription:
         """A new stream whose first event is `snapshot`."""
-        sub = Subscription(self._queue_size)
+        sub = Subscription(self._queue_size, without_joins=without_joins)
         sub.offer(snapshot)
         self._subscribers.add(sub)
         return sub
@@ -52,8 +54,12 @@ class EventHub:
         self._subscribers.discard(sub)
 
     def publish(self, event: MembershipEvent) -> None:
-        """Delivers `event` to every stream; one that overflowed is dropped."""
+        """Delivers `event` to every stream that takes its kind; one that overflowed is
+        dropped."""
+        joined = event.kind == "joined"
         for sub in list(self._subscribers):
+            if joined and sub.without_joins:
+                continue
             sub.offer(event)
             if sub.overflowed:
                 self._subscribers.discard(sub)

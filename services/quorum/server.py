@@ -195,7 +195,7 @@ class _Servicer:
             if request.replica_id:
                 holder = (core.check_id(request.replica_id), request.incarnation)
             coordinator = self._leader()[0]
-            sub = coordinator.subscribe(holder)
+            sub = coordinator.subscribe(holder, without_joins=request.without_joins)
         except QuorumError as exc:
             code, kind, message = status_for(exc)
             context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))

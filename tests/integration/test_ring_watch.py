@@ -141,6 +141,35 @@ def test_the_events_name_the_incarnation_they_are_about(
         client.close()
 
 
+def test_a_stream_without_joins_gets_every_other_event_in_order(
+    quorum_thread: QuorumServerThread, token: str
+) -> None:
+    """A leader's stream (RingWatch's) leaves JOINED events out: N replicas starting together
+    would be N^2 of them. Evictions, leaves and quorums still come, in the service's order."""
+    client = QuorumClient(quorum_thread.address, token)
+    quiet = client.watch(timeout=timedelta(seconds=20), without_joins=True)
+    every = client.watch(timeout=timedelta(seconds=20))
+    try:
+        assert next(quiet).kind == "snapshot" and next(every).kind == "snapshot"
+        first = client.join("r0", [_RANK])
+        second = client.join("r0", [_RANK])  # the first incarnation is evicted
+        client.leave("r0", second, "done")
+        assert [(e.kind, e.incarnation) for e in (next(every) for _ in range(4))] == [
+            ("joined", first),
+            ("evicted", first),
+            ("joined", second),
+            ("left", second),
+        ]
+        assert [(e.kind, e.incarnation) for e in (next(quiet) for _ in range(2))] == [
+            ("evicted", first),
+            ("left", second),
+        ]
+    finally:
+        quiet.cancel()
+        every.cancel()
+        client.close()
+
+
 def test_a_newer_quorum_without_this_replica_aborts_its_ring(
     quorum_thread: QuorumServerThread, token: str, tmp_path: Path
 ) -> None:
