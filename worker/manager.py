@@ -141,9 +141,12 @@ class Manager:
         )
         self.metrics = WorkerMetrics.of_rank(config, is_leader=group.is_leader)
         """The leader's Prometheus metrics (`ManagerConfig.metrics_port`), else None."""
+        # Restore before joining: a joined replica is silent until its heartbeats and Watch
+        # stream start below, and a real model's checkpoint takes longer to load than the
+        # service's heartbeat timeout, which would evict it for silence.
+        self._restore_durable()
         self._link = QuorumLink(config, self._endpoints, self._stop) if group.is_leader else None
         self._plans = PlanChannel(config, group, self._link)
-        self._restore_durable()
         self._watch = RingWatch(
             config,
             ring=self._ring,
