@@ -24,8 +24,10 @@ Phases, each bounded by a deadline so the harness always finishes and says what 
    (checked against the expected ring). A stage that does not complete within
    `--stage-timeout-s` is reported as "done / total after N s".
 4. health ingest: every node agent forwards its node state every `HealthConfig.forward_interval`
-   (200 ms) for `--ingest-s`: records/s needed (ranks x 5 beats/s; agents x 5 forwards/s) vs
-   acknowledged, and the central service's CPU per forward (its idle cost subtracted).
+   (200 ms), or at the longer interval central answers with when it has more agents than it
+   takes forwards (`HealthConfig.ingest_forwards_per_s`); once every agent heard it, for
+   `--ingest-s` or two such intervals: forwards/s needed at that interval vs acknowledged, and
+   the central service's CPU per forward (its idle cost subtracted).
 5. RCA: a hang at this size over the real wire (bench.scale_rca).
 Each process's CPU seconds and peak RSS per phase come from /proc, the services' garbage
 collection time from `gc.callbacks` in their processes. Prints a table (bench.scale_render) and
@@ -52,6 +54,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fthsdp.bench.scale_agents import INGEST_SETTLE_S
 from fthsdp.bench.scale_harness import Harness
 from fthsdp.bench.scale_model import Shape, Victim, parse_shape, victims
 from fthsdp.bench.scale_phases import failure_result, ingest_result, rounds_result, setup_result
@@ -59,7 +62,7 @@ from fthsdp.bench.scale_rca import run_rca
 from fthsdp.bench.scale_relay import depth, measure_hop
 from fthsdp.bench.scale_render import render
 from fthsdp.services.common import logs
-from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.config import MAX_FORWARD_INTERVAL, HealthConfig
 from fthsdp.services.quorum import core as quorum_core
 
 IDLE_S = 2.0
@@ -159,7 +162,9 @@ def _phases(
             result["failures"].append(failure)
             todo += failure["incomplete"]
     served = harness.ask("central", "reports", None)
-    ingest = harness.phase("ingest", "ingest", args.ingest_s, seconds=args.ingest_s)
+    # Settling, then the window: the agents' own seconds, or two of the intervals central asks.
+    longest = INGEST_SETTLE_S + max(args.ingest_s, 2 * MAX_FORWARD_INTERVAL.total_seconds())
+    ingest = harness.phase("ingest", "ingest", longest, seconds=args.ingest_s)
     served = harness.ask("central", "reports", None) - served
     # Idle after the ingest: its evaluations now cover every rank the node states named.
     idle = _idle_share(harness, "central", IDLE_S)

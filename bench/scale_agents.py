@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import threading
 import time
@@ -19,9 +20,11 @@ import grpc
 
 from fthsdp.bench.scale_model import percentile
 from fthsdp.protos import quorum_pb2 as qpb
+from fthsdp.protos.health_pb2 import ReportResponse
+from fthsdp.services.common.backoff import Retries
 from fthsdp.services.common.process_ref import ProcessRef, process_start
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health.agent import NodeAgent
+from fthsdp.services.health.agent import FORWARD_MAX_BACKOFF_S, NodeAgent
 from fthsdp.services.health.client_codec import (
     NodeRank,
     NodeState,
@@ -370,6 +373,10 @@ def node_state_request(host: str, replica_id: str, ranks: Sequence[int], step: i
     return bytes(batch_to_pb(batch, sent_at=time.time()).SerializeToString())
 
 
+INGEST_SETTLE_S = 60.0
+"""At most this long for every agent to hear central's interval before the measurement."""
+
+
 async def forward_node_states(
     central: str,
     token: str,
@@ -380,9 +387,11 @@ async def forward_node_states(
     per_channel: int,
     timeout_s: float,
 ) -> dict[str, Any]:
-    """Every agent forwards its node state like `NodeAgent._forward_loop` (sleep the interval,
-    then one Report with its deadline) for `seconds`; counts what the service acknowledged.
-    `requests`: (encoded request, ranks in it) per agent."""
+    """Every agent forwards its node state like `NodeAgent._forward_loop`: sleep its interval
+    (or the longer one central's last answer asked for; after a failure, the agent's jittered
+    backoff), then one Report with its deadline. Once every agent was answered (or after
+    `INGEST_SETTLE_S`), counts what the service acknowledged over `seconds`, or two asked
+    intervals if that is longer. `requests`: (encoded request, ranks in it) per agent."""
     metadata = (("authorization", Token(token).header()),)
     channels = [
         grpc.aio.insecure_channel(central, options=[("grpc.enable_retries", 0), ("agent", i)])
@@ -394,28 +403,44 @@ async def forward_node_states(
     acked = failed = entries = 0
     latencies: list[float] = []
     start = time.monotonic()
-    end = start + seconds
+    answered: set[int] = set()
+    asked = 0.0
+    window: list[float] = [start + INGEST_SETTLE_S, math.inf]
+    """[from, to): the measured window; it starts once every agent was answered."""
+
+    def settle(now: float) -> None:
+        if window[1] == math.inf and (len(answered) == len(requests) or now >= window[0]):
+            window[0] = now
+            window[1] = now + max(seconds, 2 * asked)
 
     async def agent(k: int, data: bytes, ranks: int) -> None:
-        nonlocal acked, failed, entries
-        await asyncio.sleep(interval_s * k / max(1, len(requests)))  # spread, as hosts are
+        nonlocal acked, failed, entries, asked
+        retries = Retries.after(interval_s, FORWARD_MAX_BACKOFF_S)
+        delay = interval_s * (1 + k / max(1, len(requests)))  # spread, as hosts are
         while True:
-            await asyncio.sleep(interval_s)
-            if time.monotonic() >= end:
-                return
+            await asyncio.sleep(delay)
             sent = time.monotonic()
+            settle(sent)
+            if sent >= window[1]:
+                return
             try:
-                await calls[k % len(calls)](data, timeout=timeout_s, metadata=metadata)
+                answer = await calls[k % len(calls)](data, timeout=timeout_s, metadata=metadata)
             except grpc.RpcError:
-                failed += 1
+                failed += window[0] <= sent
+                delay = retries.failed()
                 continue
-            latencies.append(time.monotonic() - sent)
-            acked += 1
-            entries += ranks
+            retries.succeeded()
+            interval = ReportResponse.FromString(answer).forward_interval_ms / 1000
+            asked = max(asked, interval)
+            answered.add(k)
+            delay = max(interval_s, interval)
+            if window[0] <= sent:
+                latencies.append(time.monotonic() - sent)
+                acked += 1
+                entries += ranks
 
     cpu0 = time.process_time()
     await asyncio.gather(*(agent(k, d, n) for k, (d, n) in enumerate(requests)))
-    window = time.monotonic() - start
     cpu = time.process_time() - cpu0
     for channel in channels:
         await channel.close(None)
@@ -425,7 +450,10 @@ async def forward_node_states(
         "acked": acked,
         "failed": failed,
         "rank_entries": entries,
-        "window_s": window,
+        "asked_interval_s": asked,
+        "settle_s": window[0] - start,
+        "window_s": window[1] - window[0],
+        "phase_s": time.monotonic() - start,
         "client_cpu_s": cpu,
         "latency_p50_s": percentile(latencies, 0.5),
         "latency_p99_s": percentile(latencies, 0.99),

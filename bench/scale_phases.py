@@ -194,18 +194,21 @@ def ingest_result(
     idle_share: float | None = None,
 ) -> dict[str, Any]:
     """Needed vs acknowledged health ingest of the agents that forward (the hosts of the live
-    replicas), and the central service's CPU per forward it completed (`served`, its own count:
+    replicas), at the interval central asked them for (their own when it asked for none), and
+    the central service's CPU per forward it completed (`served`, its own count:
     also those whose sender had given up on them), less what it spends idle (`idle_share` of a
     core: its evaluation timer)."""
     ok = _ok(answers)
-    interval = config.forward_interval.total_seconds()
+    asked = max((a["asked_interval_s"] for a in ok), default=0.0)
+    interval = max(config.forward_interval.total_seconds(), asked)
     window = max((a["window_s"] for a in ok), default=0.0)
+    phase = max((a["phase_s"] for a in ok), default=0.0)
     acked = sum(a["acked"] for a in ok)
     entries = sum(a["rank_entries"] for a in ok)
     agents, ranks = sum(a["agents"] for a in ok), sum(a["ranks"] for a in ok)
     busy = None
     if central_cpu_s is not None:
-        busy = max(0.0, central_cpu_s - (idle_share or 0.0) * window)
+        busy = max(0.0, central_cpu_s - (idle_share or 0.0) * phase)
     result: dict[str, Any] = {
         "needed_beats_per_s": ranks / RANK_BEAT_S,
         "needed_forwards_per_s": agents / interval,
@@ -215,12 +218,13 @@ def ingest_result(
         "acked": acked,
         "failed": sum(a["failed"] for a in ok),
         "window_s": window,
+        "asked_interval_s": asked,
+        "central_takes_per_s": config.ingest_forwards_per_s,
+        "settle_s": max((a["settle_s"] for a in ok), default=0.0),
         "forwards_per_s": acked / window if window else None,
         "rank_entries_per_s": entries / window if window else None,
         "central_cpu_s": central_cpu_s,
-        "central_cpu_share": None
-        if central_cpu_s is None or not window
-        else central_cpu_s / window,
+        "central_cpu_share": None if central_cpu_s is None or not phase else central_cpu_s / phase,
         "central_served": served,
         "central_idle_share": idle_share,
         "central_us_per_forward": None if busy is None or not served else 1e6 * busy / served,

@@ -201,9 +201,18 @@ def _ingest(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
     title = (
         f"health ingest: {g['agents']:,} agents, {g['ranks']:,} ranks, {_f(g['window_s'], '.1f')} s"
     )
+    asked = g.get("asked_interval_s") or 0.0
+    spacing = (
+        f"  central asked every agent to forward every {asked:.1f} s (it takes "
+        f"{g['central_takes_per_s']:g} forwards a second); measured after "
+        f"{_f(g.get('settle_s'), '.1f')} s to settle"
+        if asked
+        else "  central asked for no longer interval: agents forward at their own"
+    )
     return [
         "",
         f"{title:<{W}}{'needed/s':>12}{'acked/s':>12}{'share':>8}",
+        spacing,
         f"{'  rank beats to their agents (ranks × 5/s)':<{W}}{g['needed_beats_per_s']:>12,.0f}"
         f"{'local':>12}",
         f"{f'  agent forwards to central (agents × {per_agent:g}/s)':<{W}}"

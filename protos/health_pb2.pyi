@@ -510,16 +510,23 @@ class ReportResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ACCEPTED_FIELD_NUMBER: _builtins.int
+    FORWARD_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     accepted: _builtins.int
     """Records accepted (all of them: a batch is accepted whole or refused with an error)."""
+    forward_interval_ms: _builtins.int
+    """Central to a node agent: forward at this interval from now on, in milliseconds (0: the
+    agent's own). Central spaces its agents' forwards out when it has more agents than it takes
+    forwards in an agent's own interval.
+    """
     def __init__(
         self,
         *,
         accepted: _builtins.int = ...,
+        forward_interval_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "forward_interval_ms", b"forward_interval_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

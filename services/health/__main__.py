@@ -52,6 +52,13 @@ _FLAGS: tuple[Flag, ...] = (
     ("check-interval-ms", "check_interval", int, "agent: min fail-stop check spacing, ms (50)"),
     ("evaluate-interval-ms", "evaluate_interval", int, "central: detector period, ms (200)"),
     ("forward-interval-ms", "forward_interval", int, "agent: forward period, ms (200)"),
+    (
+        "ingest-forwards-per-s",
+        "ingest_forwards_per_s",
+        float,
+        "central: node-state forwards a second it asks its agents for at most; more agents "
+        "forward less often (500)",
+    ),
     ("max-batch-records", "max_batch_records", int, "agent: records per forward (2000)"),
     ("max-buffered-records", "max_buffered_records", int, "agent: buffer bound (100000)"),
     ("shutdown-grace-ms", "shutdown_grace", int, "drain time on stop, ms (default 2000)"),

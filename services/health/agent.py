@@ -50,7 +50,7 @@ from fthsdp.services.health.client_codec import (
     batch_to_pb,
     restamp,
 )
-from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.config import MAX_FORWARD_INTERVAL, HealthConfig
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.exit_watch import ExitWatch
 from fthsdp.services.health.metrics import HealthMetrics
@@ -70,7 +70,8 @@ _MAX_HELD_INCIDENTS = 1000
 _MAX_TRACKED_REPLICAS = 4096
 """Replicas whose joins the agent remembers (the oldest goes first): a bound, whatever the job."""
 _JOINS_KEPT = 4
-_MAX_BACKOFF_S = 5.0
+FORWARD_MAX_BACKOFF_S = 5.0
+"""The longest pause between forwards after failed ones (jittered: `Retries`)."""
 
 
 class NodeAgent:
@@ -113,6 +114,12 @@ class NodeAgent:
         self._stub: pb_grpc.HealthServiceStub | None = None
         self.forwarded = 0
         """Batches the central service accepted."""
+        self.asked_interval_s = 0.0
+        """The forward interval the central service asked for in its last answer (0: none; a
+        central service with more agents than it takes forwards spaces them out)."""
+        self._send_now = asyncio.Event()
+        """An incident or a full batch of records waits: it goes now, not at the next interval
+        (which central may have spaced out for node states)."""
 
     @property
     def dropped(self) -> int:
@@ -120,6 +127,10 @@ class NodeAgent:
         return self._dropped
 
     # ---- ingest from local ranks ------------------------------------------------------------
+
+    def forward_interval_ms(self) -> int:
+        """Local ranks send at their own interval."""
+        return 0
 
     async def ingest(self, batch: ReportBatch) -> None:
         """Takes one validated batch from a local rank."""
@@ -160,6 +171,8 @@ class NodeAgent:
                 self._records.popleft()
             self._drop(excess)
         self._records.extend(records[-self._config.max_buffered_records :])
+        if len(self._records) >= self._config.max_batch_records:
+            self._send_now.set()
 
     def _drop(self, count: int) -> None:
         self._dropped += count
@@ -294,6 +307,7 @@ class NodeAgent:
         else:
             evidence["quorum"] = "not_configured"
         self._incidents.append(restamp(incident, evidence=evidence))
+        self._send_now.set()
 
     # ---- teardown ---------------------------------------------------------------------------
 
@@ -371,18 +385,27 @@ class NodeAgent:
         interval = self._config.forward_interval.total_seconds()
         # After a failed forward: jittered, so that a central service back from a restart is
         # not met by every agent of the job in the same instant.
-        retries = Retries.after(interval, _MAX_BACKOFF_S)
-        delay = interval
+        retries = Retries.after(interval, FORWARD_MAX_BACKOFF_S)
+        delay, backing_off = interval, False
         while True:
-            await asyncio.sleep(delay)
+            if backing_off:
+                await asyncio.sleep(delay)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._send_now.wait(), delay)
+            self._send_now.clear()
             try:
                 ok = await self._forward_once()
             except Exception:
                 log.exception("agent forward failed unexpectedly")
                 ok = False
+            backing_off = not ok
             if ok:
                 retries.succeeded()
-                delay = interval
+                # A spaced-out interval holds for node states, not for a backlog of records:
+                # more than a batch waiting goes at the agent's own pace.
+                backlog = len(self._records) >= self._config.max_batch_records
+                delay = interval if backlog else max(interval, self.asked_interval_s)
             else:
                 delay = retries.failed()
 
@@ -428,7 +451,7 @@ class NodeAgent:
         batch = self._take_batch()
         request = batch_to_pb(batch, sent_at=self._clock())
         try:
-            await stub.Report(
+            response = await stub.Report(
                 request,
                 timeout=self._config.forward_timeout.total_seconds(),
                 metadata=(("authorization", self._token.header()),),
@@ -442,4 +465,7 @@ class NodeAgent:
             return False
         self._metrics.forwards.labels(outcome="ok").inc()
         self.forwarded += 1
+        self.asked_interval_s = min(
+            response.forward_interval_ms / 1000, MAX_FORWARD_INTERVAL.total_seconds()
+        )
         return True

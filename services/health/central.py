@@ -44,7 +44,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from fthsdp.services.health.client_codec import NodeState, ReportBatch, restamp
-from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.config import MAX_FORWARD_INTERVAL, HealthConfig
 from fthsdp.services.health.core import CoreStats, HealthCore, ReplicaView
 from fthsdp.services.health.detectors.config import DetectorConfig
 from fthsdp.services.health.metrics import HealthMetrics
@@ -120,6 +120,8 @@ class CentralEngine:
         self._quorum = quorum
         self._clock = clock
         self._nodes: dict[str, NodeView] = {}
+        self._forward_interval_ms = 0
+        """What agents are asked to forward at (0: their own `forward_interval`)."""
         self._agent_failstops: set[RankId] = set()
         self._held: dict[RankId, tuple[float, Incident]] = {}
         """Fail-stops found here on a live agent's node -> (when they are acted on, incident)."""
@@ -216,7 +218,32 @@ class CentralEngine:
             dropped=state.dropped,
             interval_s=interval,
         )
-        self._metrics.nodes.set(len(self._nodes))
+        if previous is None:
+            self._metrics.nodes.set(len(self._nodes))
+            self._space_forwards()
+
+    def forward_interval_ms(self) -> int:
+        """The interval node agents are asked to forward at, in ms (0: their own)."""
+        return self._forward_interval_ms
+
+    def _space_forwards(self) -> None:
+        """More agents than this service takes forwards in one agent interval
+        (`HealthConfig.ingest_forwards_per_s`): they are asked to forward less often, and the
+        detectors judge fail-stops and hangs one such interval late."""
+        base = self._config.forward_interval.total_seconds()
+        wanted = min(
+            len(self._nodes) / self._config.ingest_forwards_per_s,
+            MAX_FORWARD_INTERVAL.total_seconds(),
+        )
+        if wanted <= base:
+            self._forward_interval_ms, self.core.delivery_slack_s = 0, 0.0
+            return
+        if self._forward_interval_ms == 0:
+            log.info(
+                "%d node agents: asking them to forward every %.1f s", len(self._nodes), wanted
+            )
+        self._forward_interval_ms = round(wanted * 1000)
+        self.core.delivery_slack_s = wanted
 
     def _count(self, batch: ReportBatch) -> None:
         records = self._metrics.records
@@ -449,7 +476,9 @@ class CentralEngine:
         view = self._nodes.get(node) if node is not None else None
         if view is None:
             return False
-        cadence = view.interval_s if view.interval_s is not None else 0.0
+        # The cadence it was asked for counts from the start: its own average follows a raised
+        # one only over a dozen forwards.
+        cadence = max(view.interval_s or 0.0, self._forward_interval_ms / 1000)
         return now - view.last_seen <= max(_NODE_LIVE_MIN_S, _NODE_CADENCES * cadence)
 
     def _evict(self, incident: Incident) -> None:

@@ -131,10 +131,15 @@ class HealthCore:
         "_restarted_at",
         "_sdc",
         "_slowrank",
+        "delivery_slack_s",
     )
 
     def __init__(self, config: DetectorConfig) -> None:
         self._config = config
+        self.delivery_slack_s = 0.0
+        """How late a rank's records may arrive (its node agent forwards them at an interval
+        central set): fail-stops and hangs are judged as of that long ago, so a record still
+        on its way never reads as a silence or as a collective not entered."""
         self._failstop = FailStopDetector(config.heartbeat_timeout_s)
         self._collectives = CollectiveIndex(config)
         self._slowrank = SlowRankDetector(self._collectives, config)
@@ -256,16 +261,17 @@ class HealthCore:
         fails is logged and skipped: it never takes another one's verdict with it."""
         self._clock = max(self._clock, now)
         found: list[Incident] = []
-        for name, check in (
-            ("fail-stop", self._failstop.check),
-            ("hang", self._new_hangs),
-            ("slow-rank", self._slowrank.check),
-            ("fail-slow", self._failslow.check),
-            ("slow-link", self._links.check),
-            ("sdc", self._sdc.check),
+        judged = now - self.delivery_slack_s
+        for name, check, at in (
+            ("fail-stop", self._failstop.check, judged),
+            ("hang", self._new_hangs, judged),
+            ("slow-rank", self._slowrank.check, now),
+            ("fail-slow", self._failslow.check, now),
+            ("slow-link", self._links.check, now),
+            ("sdc", self._sdc.check, now),
         ):
             try:
-                found += check(now)
+                found += check(at)
             except Exception:
                 log.exception("the %s detector failed", name)
         self._mark(found)

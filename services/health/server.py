@@ -49,6 +49,9 @@ class IngestSink(Protocol):
     async def ingest(self, batch: ReportBatch) -> None:
         """Takes one batch; raises HealthError subclasses for the caller's mistakes."""
 
+    def forward_interval_ms(self) -> int:
+        """The interval a node agent is asked to forward at, in ms (0: its own)."""
+
 
 class _Servicer:
     """`fthsdp.v1.HealthService` handlers."""
@@ -86,7 +89,8 @@ class _Servicer:
             code, kind, message = status_for(RuntimeError())
         else:
             self._metrics.requests.labels(method="Report", code="OK").inc()
-            return pb.ReportResponse(accepted=batch.size())
+            interval = self._sink.forward_interval_ms() if batch.node is not None else 0
+            return pb.ReportResponse(accepted=batch.size(), forward_interval_ms=interval)
         self._metrics.requests.labels(method="Report", code=code.name).inc()
         context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))
         await context.abort(code, message)

@@ -94,6 +94,94 @@ async def test_agent_forwards_telemetry_and_node_state_to_central(
         await asyncio.to_thread(client.close)
 
 
+async def test_an_agent_forwards_at_the_interval_central_asks_for(
+    make_node: NodeFactory, token: str
+) -> None:
+    """A central service that takes 2 forwards a second asks its 3 agents for one every 1.5 s
+    (not their own 0.2 s), and they follow from their next forward on."""
+    central = await make_node(ingest_forwards_per_s=2.0)
+    agents = [
+        await make_node(mode="agent", central=central.grpc_address, node=f"node-{i}")
+        for i in range(3)
+    ]
+    engine = central.engine
+    assert engine is not None
+
+    async def asked() -> bool:
+        return all(a.agent is not None and a.agent.asked_interval_s == 1.5 for a in agents)
+
+    await eventually(asked)
+    assert engine.forward_interval_ms() == 1500
+    agent = agents[0].agent
+    assert agent is not None
+    before, started = agent.forwarded, time.monotonic()
+    await eventually(lambda: _async(agent.forwarded >= before + 2))
+    # Two more forwards take at least one full asked interval (at 0.2 s they took 0.4 s).
+    assert time.monotonic() - started >= 1.5
+
+
+async def test_an_incident_is_forwarded_at_once_whatever_interval_central_asked_for(
+    make_node: NodeFactory, token: str
+) -> None:
+    """Central asks its one agent for a forward every 20 s; a rank of that agent falls
+    silent, and the agent's incident reaches central within seconds, not at the next
+    interval."""
+    central = await make_node(ingest_forwards_per_s=0.05)
+    agent = await make_node(
+        mode="agent", central=central.grpc_address, heartbeat_timeout=timedelta(milliseconds=400)
+    )
+    rank = TelemetryClient(agent.grpc_address, token, replica_id="r1", rank=0, host="testhost")
+    engine = central.engine
+    assert engine is not None and agent.agent is not None
+    node = agent.agent
+    try:
+        await eventually(lambda: _async(len(node.node_state().ranks) == 1))
+        await eventually(lambda: _async(node.asked_interval_s == 20.0))
+        await asyncio.to_thread(rank.close, leave=False)  # silent, no clean-exit notice
+        silent_since = time.monotonic()
+
+        async def central_has_the_incident() -> bool:
+            return bool(await engine.store.incidents(kind=None))
+
+        await eventually(central_has_the_incident)
+        assert time.monotonic() - silent_since < 5.0
+        (found,) = await engine.store.incidents()
+        assert (found.kind.value, found.replica_id, found.evidence["found_by"]) == (
+            "fail_stop",
+            "r1",
+            "agent:testhost",
+        )
+    finally:
+        await asyncio.to_thread(rank.close)
+
+
+async def test_a_backlog_of_records_goes_at_the_agents_own_pace(
+    make_node: NodeFactory, token: str
+) -> None:
+    """Central asks for a forward every 20 s; 30 step records wait at an agent that sends 10
+    a batch. They all reach central within seconds: the spaced interval is for node states."""
+    central = await make_node(ingest_forwards_per_s=0.05)
+    agent = await make_node(mode="agent", central=central.grpc_address, max_batch_records=10)
+    rank = TelemetryClient(agent.grpc_address, token, replica_id="r0", rank=0, host="testhost")
+    engine = central.engine
+    assert engine is not None and agent.agent is not None
+    node = agent.agent
+    try:
+        await eventually(lambda: _async(node.asked_interval_s == 20.0))
+        now = time.time()
+        for step in range(30):
+            rank.step(step, started_at=now, duration_s=0.01, tokens=1, sum_seq_len_sq=1)
+        started = time.monotonic()
+
+        async def all_arrived() -> bool:
+            return len(await engine.store.records("steps", 100)) == 30
+
+        await eventually(all_arrived)
+        assert time.monotonic() - started < 10.0
+    finally:
+        await asyncio.to_thread(rank.close)
+
+
 async def _two_replica_quorum(address: str, token: str) -> tuple[AsyncQuorumClient, int]:
     """Replicas r0 and r1 joined and in a first quorum; returns r0's client and incarnation."""
     a, b = AsyncQuorumClient(address, token), AsyncQuorumClient(address, token)

@@ -301,7 +301,8 @@ def test_a_failure_that_stalls_reports_each_stage_it_did_not_reach() -> None:
 def test_ingest_needs_every_forward_and_prices_the_central_cpu() -> None:
     answer = {
         "agents": 10, "ranks": 80, "acked": 200, "failed": 3, "rank_entries": 1600,
-        "window_s": 5.0, "client_cpu_s": 1.5, "latency_p50_s": 0.01, "latency_p99_s": 0.2,
+        "asked_interval_s": 0.0, "settle_s": 0.4, "window_s": 5.0, "phase_s": 5.0,
+        "client_cpu_s": 1.5, "latency_p50_s": 0.01, "latency_p99_s": 0.2,
     }  # fmt: skip
     # The service completed 400 forwards, some after their sender had given up on them.
     g = ingest_result([answer, {**answer, "latency_p99_s": 0.4}], HealthConfig(), 2.0, 500)
@@ -313,6 +314,14 @@ def test_ingest_needs_every_forward_and_prices_the_central_cpu() -> None:
     assert g["central_us_per_forward"] == 4000.0
     assert g["central_capacity_forwards_per_s"] == 250.0
     assert (g["failed"], g["latency_p99_s"]) == (6, 0.4)
+    # Central asked for a forward every 2 s: that is what is needed, and the CPU share is over
+    # the whole phase (the settling included).
+    spaced = {**answer, "asked_interval_s": 2.0, "window_s": 4.0, "phase_s": 8.0}
+    g = ingest_result([spaced, spaced], HealthConfig(), 2.0, 500)
+    assert g["needed_forwards_per_s"] == 10.0  # 20 agents every 2 s
+    assert g["needed_rank_entries_per_s"] == 80.0
+    assert (g["forwards_per_s"], g["asked_interval_s"]) == (100.0, 2.0)
+    assert g["central_cpu_share"] == 0.25
 
 
 def test_the_plan_work_is_done_once_per_distinct_quorum() -> None:

@@ -32,6 +32,9 @@ class RecordingSink:
         await self.gate.wait()
         self.batches.append(batch)
 
+    def forward_interval_ms(self) -> int:
+        return 0
+
 
 @pytest.fixture
 async def sink_server(token: str) -> AsyncIterator[tuple[RecordingSink, IngestServer]]:

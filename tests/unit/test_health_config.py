@@ -37,6 +37,9 @@ def test_defaults_are_loopback_and_valid() -> None:
         ({"max_batch_records": 10001}, "max_batch_records"),
         ({"max_buffered_records": 10}, "max_buffered_records"),
         ({"shutdown_grace": timedelta(seconds=-1)}, "shutdown_grace"),
+        ({"ingest_forwards_per_s": 0.0}, "ingest_forwards_per_s"),
+        ({"ingest_forwards_per_s": float("nan")}, "ingest_forwards_per_s"),
+        ({"ingest_forwards_per_s": float("inf")}, "ingest_forwards_per_s"),
     ],
 )
 def test_bad_settings_are_rejected_by_name(fields: dict[str, object], needle: str) -> None:
@@ -66,3 +69,13 @@ def test_http_can_be_turned_off_and_bad_env_names_its_variable() -> None:
     assert resolve_config(args, {}).http_port is None
     with pytest.raises(ValueError, match="FTHSDP_HEALTH_PORT"):
         resolve_config(build_parser().parse_args([]), {"FTHSDP_HEALTH_PORT": "many"})
+
+
+def test_the_ingest_capacity_comes_from_the_flag_or_the_env() -> None:
+    parsed = build_parser().parse_args(["--ingest-forwards-per-s", "250.5"])
+    assert resolve_config(parsed, {}).ingest_forwards_per_s == 250.5
+    env = {"FTHSDP_HEALTH_INGEST_FORWARDS_PER_S": "2000"}
+    assert resolve_config(build_parser().parse_args([]), env).ingest_forwards_per_s == 2000.0
+    assert resolve_config(build_parser().parse_args([]), {}).ingest_forwards_per_s == 500.0
+    with pytest.raises(ValueError, match="ingest_forwards_per_s"):
+        resolve_config(build_parser().parse_args(["--ingest-forwards-per-s", "-1"]), {})
