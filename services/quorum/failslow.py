@@ -166,7 +166,7 @@ class _Speed:
 _WINDOW = 7
 """Steps a speed is the median of: a step's compute time on a shared host jumps by tens of
 percent now and then, and one such step must not move micro-steps; four slow steps in a row
-do (the planner reacts within a few steps)."""
+turn the median (and a move then stands once confirmed: `FailSlowPlanner` confirm_rounds)."""
 
 
 class FailSlowPlanner:
