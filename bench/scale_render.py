@@ -207,7 +207,7 @@ def _ingest(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         f"{g['central_takes_per_s']:g} forwards a second); measured after "
         f"{_f(g.get('settle_s'), '.1f')} s to settle"
         if asked
-        else "  central asked for no longer interval: agents forward at their own"
+        else "  central asked no agent to forward less often: each at its own interval"
     )
     return [
         "",
