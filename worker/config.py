@@ -188,13 +188,12 @@ class ManagerConfig:
         A missing required variable raises ValueError naming it."""
         environ = os.environ if env is None else env
         values: dict[str, Any] = {"job_id": "job"}
-        for name, (variable, kind) in _ENV_FIELDS.items():
+        for name, (variable, parse, what) in _ENV_FIELDS.items():
             raw = environ.get(variable)
             if raw:
                 try:
-                    values[name] = kind(raw)
+                    values[name] = parse(raw)
                 except ValueError as exc:
-                    what = _KIND_NAMES.get(kind, "value")
                     raise ValueError(f"{variable}={raw!r} is not a valid {what}") from exc
         values.update(overrides)
         if "token" not in values:
@@ -215,25 +214,20 @@ def _seconds(raw: str) -> timedelta:
     return timedelta(seconds=value)
 
 
-_ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "job_id": ("FTHSDP_JOB_ID", str),
-    "replica_id": ("FTHSDP_REPLICA_ID", str),
-    "replica_index": ("FTHSDP_REPLICA_INDEX", int),
-    "total_replicas": ("FTHSDP_TOTAL_REPLICAS", int),
-    "quorum_address": ("FTHSDP_QUORUM", str),
-    "checkpoint_url": ("FTHSDP_CHECKPOINT_URL", str),
-    "shm_dir": ("FTHSDP_SHM_DIR", str),
-    "health_address": ("FTHSDP_HEALTH", str),
-    "lr_policy": ("FTHSDP_LR_POLICY", str),
-    "metrics_port": ("FTHSDP_METRICS_PORT", int),
-    "durable_every_steps": ("FTHSDP_DURABLE_EVERY_STEPS", int),
-    "micro_steps": ("FTHSDP_MICRO_STEPS", int),
-    "max_micro_steps": ("FTHSDP_MAX_MICRO_STEPS", int),
-    "await_replicas": ("FTHSDP_AWAIT_REPLICAS_S", _seconds),
+_ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "job_id": ("FTHSDP_JOB_ID", str, "string"),
+    "replica_id": ("FTHSDP_REPLICA_ID", str, "string"),
+    "replica_index": ("FTHSDP_REPLICA_INDEX", int, "integer"),
+    "total_replicas": ("FTHSDP_TOTAL_REPLICAS", int, "integer"),
+    "quorum_address": ("FTHSDP_QUORUM", str, "string"),
+    "checkpoint_url": ("FTHSDP_CHECKPOINT_URL", str, "string"),
+    "shm_dir": ("FTHSDP_SHM_DIR", str, "string"),
+    "health_address": ("FTHSDP_HEALTH", str, "string"),
+    "lr_policy": ("FTHSDP_LR_POLICY", str, "string"),
+    "metrics_port": ("FTHSDP_METRICS_PORT", int, "integer"),
+    "durable_every_steps": ("FTHSDP_DURABLE_EVERY_STEPS", int, "integer"),
+    "micro_steps": ("FTHSDP_MICRO_STEPS", int, "integer"),
+    "max_micro_steps": ("FTHSDP_MAX_MICRO_STEPS", int, "integer"),
+    "await_replicas": ("FTHSDP_AWAIT_REPLICAS_S", _seconds, "number of seconds"),
 }
-"""`ManagerConfig.from_env`: field → (variable, parser)."""
-_KIND_NAMES: dict[Callable[[str], Any], str] = {
-    int: "integer",
-    str: "string",
-    _seconds: "number of seconds",
-}
+"""`ManagerConfig.from_env`: field → (variable, parser, what the value must be)."""
