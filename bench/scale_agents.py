@@ -426,7 +426,8 @@ async def forward_node_states(
             try:
                 answer = await calls[k % len(calls)](data, timeout=timeout_s, metadata=metadata)
             except grpc.RpcError:
-                failed += window[0] <= sent
+                if window[0] <= sent:
+                    failed += 1
                 delay = retries.failed()
                 continue
             retries.succeeded()

@@ -171,6 +171,10 @@ class NodeAgent:
                 self._records.popleft()
             self._drop(excess)
         self._records.extend(records[-self._config.max_buffered_records :])
+        self._send_if_full()
+
+    def _send_if_full(self) -> None:
+        """A full batch of records goes now: a spaced-out interval is for node states."""
         if len(self._records) >= self._config.max_batch_records:
             self._send_now.set()
 
@@ -402,10 +406,8 @@ class NodeAgent:
             backing_off = not ok
             if ok:
                 retries.succeeded()
-                # A spaced-out interval holds for node states, not for a backlog of records:
-                # more than a batch waiting goes at the agent's own pace.
-                backlog = len(self._records) >= self._config.max_batch_records
-                delay = interval if backlog else max(interval, self.asked_interval_s)
+                delay = max(interval, self.asked_interval_s)
+                self._send_if_full()
             else:
                 delay = retries.failed()
 

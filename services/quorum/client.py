@@ -206,9 +206,10 @@ def _memo_key(msg: pb.QuorumResponse) -> tuple[object, ...]:
 
 
 def _watch_request(holder: tuple[str, int] | None, without_joins: bool) -> pb.WatchRequest:
-    if holder is None:
-        return pb.WatchRequest(without_joins=without_joins)
-    return pb.WatchRequest(replica_id=holder[0], incarnation=holder[1], without_joins=without_joins)
+    replica_id, incarnation = holder if holder is not None else ("", 0)
+    return pb.WatchRequest(
+        replica_id=replica_id, incarnation=incarnation, without_joins=without_joins
+    )
 
 
 def _join_request(replica_id: str, ranks: Sequence[RankEndpoint]) -> pb.JoinRequest:
