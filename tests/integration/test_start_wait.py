@@ -59,10 +59,9 @@ def test_the_wait_ends_when_the_last_replica_registers(
         thread, ended = _waiting(_config(service.address, token, 30.0), threading.Event())
         thread.join(0.5)
         assert thread.is_alive(), "one of two replicas registered: the wait must go on"
-        joined = time.monotonic()
         client.join("r1", [RANK])
-        thread.join(10)
-        assert not thread.is_alive() and ended[0] - joined < 5.0
+        thread.join(10)  # far below its 30 s bound: the registration ended it
+        assert not thread.is_alive() and ended
     finally:
         client.close()
 
