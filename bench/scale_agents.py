@@ -20,11 +20,11 @@ import grpc
 
 from fthsdp.bench.scale_model import percentile
 from fthsdp.protos import quorum_pb2 as qpb
-from fthsdp.protos.health_pb2 import ReportResponse
-from fthsdp.services.common.backoff import Retries
+from fthsdp.protos.health_pb2 import ReportRequest, ReportResponse
 from fthsdp.services.common.process_ref import ProcessRef, process_start
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health.agent import FORWARD_MAX_BACKOFF_S, NodeAgent
+from fthsdp.services.health import forward_pacing
+from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.client_codec import (
     NodeRank,
     NodeState,
@@ -32,6 +32,7 @@ from fthsdp.services.health.client_codec import (
     batch_to_pb,
 )
 from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.forward_pacing import ForwardPacing, reached_busy_central
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import Outcome, QuorumReporter
 from fthsdp.services.health.telemetry import Heartbeat, RankId
@@ -360,8 +361,12 @@ class VictimHost:
 # ---- the other node agents' forwarding (ingest load on the central service) -------------------
 
 
-def node_state_request(host: str, replica_id: str, ranks: Sequence[int], step: int) -> bytes:
-    """An agent's forward with nothing buffered: its node state (every rank beating)."""
+def node_state_request(
+    host: str, replica_id: str, ranks: Sequence[int], step: int
+) -> ReportRequest:
+    """An agent's forward with nothing buffered: its node state (every rank beating). Its
+    `sent_at` is stamped at each send (`forward_node_states`): a batch re-sent with an old one
+    reads as held up in the network, and central refuses it."""
     state = NodeState(
         node=host,
         ranks=tuple(
@@ -370,7 +375,7 @@ def node_state_request(host: str, replica_id: str, ranks: Sequence[int], step: i
         ),
     )
     batch = ReportBatch(source=f"agent:{host}", host=host, node=state)
-    return bytes(batch_to_pb(batch, sent_at=time.time()).SerializeToString())
+    return batch_to_pb(batch, sent_at=time.time())
 
 
 INGEST_SETTLE_S = 60.0
@@ -380,7 +385,7 @@ INGEST_SETTLE_S = 60.0
 async def forward_node_states(
     central: str,
     token: str,
-    requests: Sequence[tuple[bytes, int]],
+    requests: Sequence[tuple[ReportRequest, int]],
     *,
     seconds: float,
     interval_s: float,
@@ -394,13 +399,15 @@ async def forward_node_states(
     intervals if that is longer. `requests`: (encoded request, ranks in it) per agent."""
     metadata = (("authorization", Token(token).header()),)
     channels = [
-        grpc.aio.insecure_channel(central, options=[("grpc.enable_retries", 0), ("agent", i)])
+        grpc.aio.insecure_channel(central, options=[*forward_pacing.CHANNEL_OPTIONS, ("agent", i)])
         for i in range(max(1, len(requests) // per_channel))
     ]
     calls = [
         c.unary_unary(REPORT, request_serializer=None, response_deserializer=None) for c in channels
     ]
     acked = failed = entries = 0
+    failures: dict[str, int] = {}
+    """Failed forwards in the window, by gRPC status."""
     latencies: list[float] = []
     start = time.monotonic()
     answered: set[int] = set()
@@ -413,9 +420,11 @@ async def forward_node_states(
             window[0] = now
             window[1] = now + max(seconds, 2 * asked)
 
-    async def agent(k: int, data: bytes, ranks: int) -> None:
+    async def agent(k: int, request: ReportRequest, ranks: int) -> None:
         nonlocal acked, failed, entries, asked
-        retries = Retries.after(interval_s, FORWARD_MAX_BACKOFF_S)
+        pacing = ForwardPacing(interval_s)
+        channel = channels[k % len(channels)]
+        call = calls[k % len(calls)]
         delay = interval_s * (1 + k / max(1, len(requests)))  # spread, as hosts are
         while True:
             await asyncio.sleep(delay)
@@ -423,18 +432,22 @@ async def forward_node_states(
             settle(sent)
             if sent >= window[1]:
                 return
+            request.sent_at = time.time()
             try:
-                answer = await calls[k % len(calls)](data, timeout=timeout_s, metadata=metadata)
-            except grpc.RpcError:
+                answer = await call(
+                    request.SerializeToString(), timeout=timeout_s, metadata=metadata
+                )
+            except grpc.RpcError as err:
+                busy = reached_busy_central(err, channel)
                 if window[0] <= sent:
                     failed += 1
-                delay = retries.failed()
+                    code = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "?"
+                    failures[code] = failures.get(code, 0) + 1
+                delay = pacing.failed(busy)
                 continue
-            retries.succeeded()
-            interval = ReportResponse.FromString(answer).forward_interval_ms / 1000
-            asked = max(asked, interval)
+            delay = pacing.answered(ReportResponse.FromString(answer).forward_interval_ms)
+            asked = max(asked, pacing.asked_s)
             answered.add(k)
-            delay = max(interval_s, interval)
             if window[0] <= sent:
                 latencies.append(time.monotonic() - sent)
                 acked += 1
@@ -450,6 +463,7 @@ async def forward_node_states(
         "ranks": sum(n for _, n in requests),
         "acked": acked,
         "failed": failed,
+        "failed_by_status": failures,
         "rank_entries": entries,
         "asked_interval_s": asked,
         "settle_s": window[0] - start,

@@ -42,8 +42,9 @@ class Retries:
 
     def __init__(self, backoff: Backoff, rng: random.Random | None = None) -> None:
         self._backoff = backoff
-        self._rng = rng
-        self._run: Iterator[float] | None = None
+        self._rng = rng or random.Random()
+        self._bound: float | None = None
+        """The current run's bound (None: no failure since the last success)."""
 
     @classmethod
     def after(cls, interval_s: float, cap_s: float, rng: random.Random | None = None) -> Retries:
@@ -52,15 +53,20 @@ class Retries:
         first = timedelta(seconds=2 * interval_s)
         return cls(Backoff(initial=first, maximum=max(first, timedelta(seconds=cap_s))), rng)
 
-    def failed(self) -> float:
-        """The delay before the next try, in seconds."""
-        if self._run is None:
-            self._run = self._backoff.delays(self._rng)
-        return next(self._run)
+    def failed(self, cap_s: float | None = None) -> float:
+        """The delay before the next try, in seconds: uniform up to the run's bound, or up to
+        `cap_s` if that is less (the bound grows all the same)."""
+        b = self._backoff
+        if self._bound is None:
+            self._bound = b.initial.total_seconds()
+        else:
+            self._bound = min(b.maximum.total_seconds(), self._bound * b.multiplier)
+        top = self._bound if cap_s is None else min(self._bound, cap_s)
+        return self._rng.uniform(0.0, top)
 
     def succeeded(self) -> None:
         """The failures in a row are over."""
-        self._run = None
+        self._bound = None
 
 
 def sleep_before_retry(delays: Iterator[float], deadline: float) -> bool:

@@ -24,7 +24,8 @@ forwarded to the central service every `forward_interval` with the node's compac
 ranks, their steps and silence), so the central load grows with nodes, not ranks. Losing the
 central service never blocks the agent: a forward has a deadline, failed batches are dropped and
 counted (incidents excepted: they are kept and retried), the buffer is bounded, and retries back
-off up to a few seconds, jittered (`services.common.backoff`)."""
+off, jittered: up to a few seconds while central is out of reach, further while it is reachable
+but too busy to answer (`forward_pacing`)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ from typing import Any
 import grpc
 
 from fthsdp.protos import health_pb2_grpc as pb_grpc
-from fthsdp.services.common.backoff import Retries
 from fthsdp.services.common.process_ref import ProcessRef
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client_codec import (
@@ -50,9 +50,14 @@ from fthsdp.services.health.client_codec import (
     batch_to_pb,
     restamp,
 )
-from fthsdp.services.health.config import MAX_FORWARD_INTERVAL, HealthConfig
+from fthsdp.services.health.config import HealthConfig
 from fthsdp.services.health.detectors.failstop import FailStopDetector
 from fthsdp.services.health.exit_watch import ExitWatch
+from fthsdp.services.health.forward_pacing import (
+    CHANNEL_OPTIONS,
+    ForwardPacing,
+    reached_busy_central,
+)
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.health.teardown import kill
@@ -70,8 +75,6 @@ _MAX_HELD_INCIDENTS = 1000
 _MAX_TRACKED_REPLICAS = 4096
 """Replicas whose joins the agent remembers (the oldest goes first): a bound, whatever the job."""
 _JOINS_KEPT = 4
-FORWARD_MAX_BACKOFF_S = 5.0
-"""The longest pause between forwards after failed ones (jittered: `Retries`)."""
 
 
 class NodeAgent:
@@ -114,7 +117,7 @@ class NodeAgent:
         self._stub: pb_grpc.HealthServiceStub | None = None
         self.forwarded = 0
         """Batches the central service accepted."""
-        self.asked_interval_s = 0.0
+        self._pacing = ForwardPacing(config.forward_interval.total_seconds())
         """The forward interval the central service asked for in its last answer (0: none; a
         central service with more agents than it takes forwards spaces them out)."""
         self._send_now = asyncio.Event()
@@ -192,14 +195,7 @@ class NodeAgent:
         if self._quorum is not None:
             self._tasks.append(asyncio.create_task(self._watch_loop(), name="agent-watch"))
         if self._config.central is not None:
-            self._channel = grpc.aio.insecure_channel(
-                self._config.central,
-                options=[
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 2000),
-                    ("grpc.enable_retries", 0),
-                ],
-            )
+            self._channel = grpc.aio.insecure_channel(self._config.central, options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.HealthServiceStub(self._channel)
             self._tasks.append(asyncio.create_task(self._forward_loop(), name="agent-forward"))
 
@@ -386,30 +382,21 @@ class NodeAgent:
     # ---- forwarding -------------------------------------------------------------------------
 
     async def _forward_loop(self) -> None:
-        interval = self._config.forward_interval.total_seconds()
-        # After a failed forward: jittered, so that a central service back from a restart is
-        # not met by every agent of the job in the same instant.
-        retries = Retries.after(interval, FORWARD_MAX_BACKOFF_S)
-        delay, backing_off = interval, False
+        failed, delay = False, self._pacing.interval_s
         while True:
-            if backing_off:
-                await asyncio.sleep(delay)
+            if failed:
+                await asyncio.sleep(delay)  # incidents and a backlog wait out the backoff too
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._send_now.wait(), delay)
             self._send_now.clear()
             try:
-                ok = await self._forward_once()
+                failed, delay = await self._forward_once()
             except Exception:
                 log.exception("agent forward failed unexpectedly")
-                ok = False
-            backing_off = not ok
-            if ok:
-                retries.succeeded()
-                delay = max(interval, self.asked_interval_s)
+                failed, delay = True, self._pacing.failed(busy=False)
+            if not failed:
                 self._send_if_full()
-            else:
-                delay = retries.failed()
 
     def node_state(self) -> NodeState:
         """This node's compact state: every beating rank (silent ones are already incidents)."""
@@ -445,10 +432,11 @@ class NodeAgent:
             node=self.node_state(),
         )
 
-    async def _forward_once(self) -> bool:
-        """Sends one batch; False (after dropping its records, keeping its incidents) on error."""
-        if self._stub is None:
-            return False
+    async def _forward_once(self) -> tuple[bool, float]:
+        """Sends one batch: (failed, the delay before the next forward). A failed one's records
+        are dropped and its incidents kept."""
+        if self._stub is None or self._channel is None:
+            return True, self._pacing.failed(busy=False)
         stub: Any = self._stub  # the generated stubs type only the blocking call
         batch = self._take_batch()
         request = batch_to_pb(batch, sent_at=self._clock())
@@ -462,12 +450,14 @@ class NodeAgent:
             self._metrics.forwards.labels(outcome="failed").inc()
             self._incidents.extendleft(reversed(batch.incidents))
             self._drop(batch.size() - len(batch.incidents))
-            code = err.code() if isinstance(err, grpc.Call) else None
-            log.debug("forward to the central service failed: %s", code)
-            return False
+            busy = reached_busy_central(err, self._channel)
+            log.debug("forward to the central service failed (%s)", "busy" if busy else "no reach")
+            return True, self._pacing.failed(busy)
         self._metrics.forwards.labels(outcome="ok").inc()
         self.forwarded += 1
-        self.asked_interval_s = min(
-            response.forward_interval_ms / 1000, MAX_FORWARD_INTERVAL.total_seconds()
-        )
-        return True
+        return False, self._pacing.answered(response.forward_interval_ms)
+
+    @property
+    def asked_interval_s(self) -> float:
+        """The interval central's last answer asked this agent to forward at (0: none)."""
+        return self._pacing.asked_s

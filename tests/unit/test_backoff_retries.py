@@ -22,3 +22,11 @@ def test_a_cadence_past_the_cap_keeps_its_first_bound() -> None:
     retries = Retries.after(4.0, 5.0, random.Random(7))
     delays = [retries.failed() for _ in range(20)]
     assert all(0.0 <= d <= 8.0 for d in delays) and max(delays) > 5.0
+
+
+def test_a_capped_draw_stays_under_the_cap_while_the_bound_grows_on() -> None:
+    retries = Retries.after(0.2, 30.0, random.Random(3))
+    capped = [retries.failed(cap_s=1.0) for _ in range(8)]
+    assert all(0.0 <= d <= 1.0 for d in capped)
+    # the run's bound went on growing under the cap: the next uncapped draw may use it all
+    assert max(retries.failed() for _ in range(30)) > 10.0
