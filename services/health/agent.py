@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,6 +69,7 @@ from fthsdp.services.health.telemetry import (
     RankId,
     StepRecord,
 )
+from fthsdp.services.quorum.client import MAX_WATCHED_REPLICAS, MembershipEvent
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +108,15 @@ class NodeAgent:
         """When each local rank's latest beat arrived (this agent's clock)."""
         self._joins: dict[str, deque[tuple[float, int]]] = {}
         """Per replica, its latest incarnations' joins as the event stream told them (this
-        agent's clock): which incarnation a rank silent since a given time belonged to. Cleared
-        when a new stream starts: a join made while none was up is unknown."""
+        agent's clock): which incarnation a rank silent since a given time belonged to. Reset
+        when a new stream starts, to the incarnations its snapshot names (a join made while no
+        stream was up is unknown)."""
+        self._local: dict[str, None] = {}
+        """The replicas whose ranks beat here, oldest first (at most `MAX_WATCHED_REPLICAS`):
+        the event stream is filtered to them."""
+        self._local_changed = asyncio.Event()
+        self.watched: frozenset[str] = frozenset()
+        """The replicas the live event stream follows (empty: none up yet)."""
         self._records: deque[Any] = deque()
         self._incidents: deque[Incident] = deque(maxlen=_MAX_HELD_INCIDENTS)
         self._dropped = 0
@@ -143,6 +152,7 @@ class NodeAgent:
             # service's verdicts): a rank's own idea of its host name may differ.
             hb = dataclasses.replace(beat, host=self._config.node)
             self._detector.beat(hb)
+            self._heard_replica(hb.rank.replica_id)
             if hb.pid:
                 ref = ProcessRef(hb.pid, hb.pid_start)
                 if self._pids.get(hb.rank) != ref:
@@ -311,27 +321,70 @@ class NodeAgent:
 
     # ---- teardown ---------------------------------------------------------------------------
 
-    async def _watch_loop(self) -> None:
-        """Follows the quorum service's events: joins name the incarnation a report is for
-        (whatever the failure action), teardowns are carried out under "kill"."""
-        assert self._quorum is not None
-        async for replica_id in self._quorum.teardowns(
-            on_join=self._joined, on_resync=self._joins.clear
-        ):
-            if not self._kills:
-                continue
-            try:
-                await self.teardown(replica_id)
-            except Exception:
-                log.exception("teardown of %s failed", replica_id)
+    def _heard_replica(self, replica_id: str) -> None:
+        if replica_id in self._local:
+            return
+        if len(self._local) >= MAX_WATCHED_REPLICAS:
+            self._local.pop(next(iter(self._local)))
+        self._local[replica_id] = None
+        self._local_changed.set()
 
-    def _joined(self, replica_id: str, incarnation: int) -> None:
+    async def _watch_loop(self) -> None:
+        """Follows the quorum service's events about this host's replicas, from the first one
+        heard here. A new replica here opens a new stream (filtered to it too), and the old one
+        ends once the new one's snapshot arrived, so no event falls between the two."""
+        old: asyncio.Task[None] | None = None
+        try:
+            while True:
+                await self._local_changed.wait()
+                self._local_changed.clear()
+                live = asyncio.Event()
+                new = asyncio.create_task(self._follow(frozenset(self._local), live))
+                if old is not None:
+                    up = asyncio.create_task(live.wait())
+                    await asyncio.wait((up, new), return_when=asyncio.FIRST_COMPLETED)
+                    up.cancel()
+                    await _cancelled(old)
+                old = new
+        finally:
+            if old is not None:
+                await _cancelled(old)
+
+    async def _follow(self, replicas: frozenset[str], live: asyncio.Event) -> None:
+        """One stream's events: joins name the incarnation a report is for (whatever the
+        failure action), teardowns are carried out under "kill"."""
+        assert self._quorum is not None
+
+        def resynced(snapshot: MembershipEvent) -> None:
+            # Incarnations registered before the stream: known since before anything heard.
+            self._joins.clear()
+            for replica_id, incarnation in zip(
+                snapshot.members, snapshot.incarnations, strict=False
+            ):
+                self._joined(replica_id, incarnation, at=-math.inf)
+            self.watched = replicas
+            live.set()
+
+        teardowns = self._quorum.teardowns(
+            replicas=replicas, on_join=self._joined, on_resync=resynced
+        )
+        async with contextlib.aclosing(teardowns):  # its stream ends with this task
+            async for replica_id in teardowns:
+                if not self._kills:
+                    continue
+                try:
+                    # Shielded: a newer stream replacing this one must not stop a kill halfway.
+                    await asyncio.shield(self.teardown(replica_id))
+                except Exception:
+                    log.exception("teardown of %s failed", replica_id)
+
+    def _joined(self, replica_id: str, incarnation: int, at: float | None = None) -> None:
         joins = self._joins.get(replica_id)
         if joins is None:
             if len(self._joins) >= _MAX_TRACKED_REPLICAS:
                 self._joins.pop(next(iter(self._joins)))
             joins = self._joins[replica_id] = deque(maxlen=_JOINS_KEPT)
-        joins.append((self._clock(), incarnation))
+        joins.append((self._clock() if at is None else at, incarnation))
 
     def _incarnation_at(self, replica_id: str, heard: float | None) -> int | None:
         """The incarnation of `replica_id` that had joined by `heard` (a silent rank's last beat:
@@ -461,3 +514,9 @@ class NodeAgent:
     def asked_interval_s(self) -> float:
         """The interval central's last answer asked this agent to forward at (0: none)."""
         return self._pacing.asked_s
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancels `task` and waits for it to end."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Literal
 
@@ -20,6 +20,7 @@ from fthsdp.services.health.domain import UpstreamError
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.quorum.client import (
     AsyncQuorumClient,
+    MembershipEvent,
     QuorumError,
     QuorumUnavailableError,
     StatusSnapshot,
@@ -53,8 +54,6 @@ class QuorumReporter:
         self._metrics = metrics
         self._dedupe = dedupe.total_seconds()
         self._recent: dict[tuple[str, int | None], float] = {}
-        self.watching = False
-        """Whether `teardowns` has an event stream up (its snapshot arrived)."""
 
     async def report_failure(
         self,
@@ -139,21 +138,24 @@ class QuorumReporter:
         self,
         retry_s: float = 0.2,
         *,
+        replicas: Collection[str] | None = None,
         on_join: Callable[[str, int], None] | None = None,
-        on_resync: Callable[[], None] | None = None,
-    ) -> AsyncIterator[str]:
-        """Ids of replicas evicted with a teardown, from the quorum service's event stream;
-        follows the addresses in turn while one is down, and never ends by itself. `on_join`
-        hears every (replica, incarnation) that joins meanwhile; `on_resync` every new stream's
-        start, after which joins made while no stream was up are unknown."""
+        on_resync: Callable[[MembershipEvent], None] | None = None,
+    ) -> AsyncGenerator[str, None]:
+        """Ids of replicas evicted with a teardown, from the quorum service's event stream
+        (with `replicas`, one filtered to those: `QuorumClient.watch`); follows the addresses in
+        turn while one is down, and never ends by itself. `on_join` hears every (replica,
+        incarnation) that joins meanwhile; `on_resync` every new stream's snapshot, after which
+        joins made while no stream was up are unknown (a filtered stream's snapshot names the
+        incarnations of its replicas registered)."""
         turn = 0
         while True:
             client = self._clients[turn % len(self._clients)]
+            stream = client.watch(replicas=replicas)
             try:
-                async for event in client.watch():
-                    self.watching = True
+                async for event in stream:
                     if event.kind == "snapshot" and on_resync is not None:
-                        on_resync()
+                        on_resync(event)
                     elif event.kind == "evicted" and event.teardown and event.replica_id:
                         yield event.replica_id
                     elif (
@@ -166,7 +168,8 @@ class QuorumReporter:
             except (QuorumError, TimeoutError) as exc:
                 log.debug("quorum event stream ended: %s", exc)
                 turn += 1
-            self.watching = False
+            finally:
+                stream.cancel()  # also when the caller stops iterating: the call ends now
             await asyncio.sleep(retry_s)
 
     async def close(self) -> None:

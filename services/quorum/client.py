@@ -16,7 +16,7 @@ import asyncio
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,7 @@ from fthsdp.services.quorum.client_failover import Failover, parse_addresses
 from fthsdp.services.quorum.client_retry import CallRetry
 from fthsdp.services.quorum.client_watch import AsyncWatchStream, WatchStream, translate
 from fthsdp.services.quorum.domain import (
+    MAX_WATCHED_REPLICAS,
     AuthError,
     EventKind,
     InternalError,
@@ -55,6 +56,7 @@ from fthsdp.services.quorum.domain import (
 )
 
 __all__ = [
+    "MAX_WATCHED_REPLICAS",
     "AsyncQuorumClient",
     "AsyncWatchStream",
     "AuthError",
@@ -205,10 +207,15 @@ def _memo_key(msg: pb.QuorumResponse) -> tuple[object, ...]:
     )
 
 
-def _watch_request(holder: tuple[str, int] | None, without_joins: bool) -> pb.WatchRequest:
+def _watch_request(
+    holder: tuple[str, int] | None, without_joins: bool, replicas: Collection[str] | None
+) -> pb.WatchRequest:
     replica_id, incarnation = holder if holder is not None else ("", 0)
     return pb.WatchRequest(
-        replica_id=replica_id, incarnation=incarnation, without_joins=without_joins
+        replica_id=replica_id,
+        incarnation=incarnation,
+        without_joins=without_joins,
+        replica_ids=sorted(replicas or ()),
     )
 
 
@@ -399,14 +406,17 @@ class QuorumClient(_ClientSettings):
         timeout: timedelta | None = None,
         holder: tuple[str, int] | None = None,
         without_joins: bool = False,
+        replicas: Collection[str] | None = None,
     ) -> WatchStream:
         """Membership events, the first being a `snapshot`; blocks between events. End it with
         `cancel()` on the stream or `close()` on the client, from any thread. `holder`: the
         replica (and incarnation) whose leader opens it, kept alive without heartbeats while
-        the stream is open. `without_joins`: no `joined` events (a leader's stream)."""
+        the stream is open. `without_joins`: no `joined` events (a leader's stream).
+        `replicas` (at most `MAX_WATCHED_REPLICAS`): only events about these, no `quorum`
+        events, and a snapshot of those registered with their incarnations (a node agent's)."""
         index = self._failover.current
         call = self._stubs[index].Watch(
-            _watch_request(holder, without_joins),
+            _watch_request(holder, without_joins, replicas),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )
@@ -569,16 +579,19 @@ class AsyncQuorumClient(_ClientSettings):
         timeout: timedelta | None = None,
         holder: tuple[str, int] | None = None,
         without_joins: bool = False,
+        replicas: Collection[str] | None = None,
     ) -> AsyncWatchStream:
         """Membership events, the first being a `snapshot`; end it with `cancel()` or `close()`.
-        `holder` and `without_joins` as in `QuorumClient.watch`."""
+        `holder`, `without_joins` and `replicas` as in `QuorumClient.watch`."""
         index = self._failover.current
         call = self._stubs[index].Watch(
-            _watch_request(holder, without_joins),
+            _watch_request(holder, without_joins, replicas),
             metadata=self._metadata,
             timeout=None if timeout is None else _seconds(timeout),
         )
-        stream = AsyncWatchStream(call, lambda: self._failover.advance(index))
+        stream = AsyncWatchStream(
+            call, lambda: self._failover.advance(index), self._streams.discard
+        )
         self._streams.add(stream)
         return stream
 

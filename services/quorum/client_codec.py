@@ -350,6 +350,7 @@ def event_to_pb(event: MembershipEvent) -> pb.WatchResponse:
         members=event.members,
         teardown=event.teardown,
         incarnation=event.incarnation or 0,
+        incarnations=event.incarnations,
     )
 
 
@@ -366,4 +367,5 @@ def event_from_pb(msg: pb.WatchResponse) -> MembershipEvent:
         members=tuple(msg.members),
         teardown=msg.teardown,
         incarnation=msg.incarnation or None,
+        incarnations=tuple(msg.incarnations),
     )

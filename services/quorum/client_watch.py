@@ -69,9 +69,15 @@ class WatchStream(Iterator[MembershipEvent]):
 class AsyncWatchStream:
     """An async iterator of membership events; `cancel()` ends it."""
 
-    def __init__(self, call: Any, failed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        call: Any,
+        failed: Callable[[], None],
+        forget: Callable[[AsyncWatchStream], None] = lambda _: None,
+    ) -> None:
         self._call = call
         self._failed = failed
+        self._forget = forget
         self._cancelled = False
 
     def __aiter__(self) -> AsyncIterator[MembershipEvent]:
@@ -91,8 +97,11 @@ class AsyncWatchStream:
             if isinstance(error, QuorumUnavailableError):
                 self._failed()
             raise error from None
+        finally:
+            self._forget(self)
 
     def cancel(self) -> None:
         """Ends the stream."""
         self._cancelled = True
         self._call.cancel()
+        self._forget(self)

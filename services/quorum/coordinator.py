@@ -262,13 +262,19 @@ class Coordinator:
         return status.snapshot(self._state, members, records, self._failslow.decisions)
 
     def subscribe(
-        self, holder: tuple[str, int] | None = None, *, without_joins: bool = False
+        self,
+        holder: tuple[str, int] | None = None,
+        *,
+        without_joins: bool = False,
+        replicas: frozenset[str] | None = None,
     ) -> Subscription:
         """A new event stream; its first event is a `snapshot` of the current membership. With
         `holder` (replica id, incarnation: the stream of that replica's leader), the replica
         counts as alive until `unsubscribe`, and the snapshot names that incarnation; a holder
         that is not a current incarnation gets a plain stream (its events still matter to it),
-        and a snapshot without one. `without_joins`: no `joined` events."""
+        and a snapshot without one. `without_joins`: no `joined` events. `replicas`: only events
+        about these, no `quorum` events, and a snapshot of those registered with their
+        incarnations."""
         self._ensure_open()
         if holder is not None:
             try:
@@ -278,9 +284,21 @@ class Coordinator:
         snapshot = self._event("snapshot", None, "current state")
         if holder is not None:
             snapshot = dataclasses.replace(snapshot, incarnation=holder[1])
-        sub = self._events.subscribe(snapshot, without_joins=without_joins)
+        if replicas is not None:
+            regs = [self._state.registered.get(rid) for rid in sorted(replicas)]
+            snapshot = dataclasses.replace(
+                snapshot,
+                members=tuple(r.replica_id for r in regs if r is not None),
+                incarnations=tuple(r.incarnation for r in regs if r is not None),
+            )
+        sub = self._events.subscribe(snapshot, without_joins=without_joins, replicas=replicas)
         sub.holder = holder
         return sub
+
+    @property
+    def watch_streams(self) -> int:
+        """Watch streams open on this coordinator."""
+        return self._events.streams
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Ends delivery to a stream (and its hold: the heartbeat timeout runs from now)."""

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from fthsdp.services.common.parse import MAX_STEP, host_port
 from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.domain import (
+    MAX_WATCHED_REPLICAS,
     InvalidRequestError,
     Member,
     MicroSteps,
@@ -139,6 +140,18 @@ def check_id(value: str, what: str = "replica_id") -> str:
     if not value.isprintable() or any(c.isspace() for c in value):
         raise InvalidRequestError(f"{what} must be printable and contain no whitespace")
     return value
+
+
+def check_watched(ids: Sequence[str]) -> frozenset[str] | None:
+    """The replicas a Watch stream is filtered to (None: not filtered), each a valid id, at most
+    `MAX_WATCHED_REPLICAS`."""
+    if not ids:
+        return None
+    if len(ids) > MAX_WATCHED_REPLICAS:
+        raise InvalidRequestError(
+            f"a Watch stream follows at most {MAX_WATCHED_REPLICAS} replicas, got {len(ids)}"
+        )
+    return frozenset(check_id(rid) for rid in ids)
 
 
 def check_reason(value: str) -> str:

@@ -18,6 +18,9 @@ from fthsdp.services.common import errors as common_errors
 
 EventKind = Literal["snapshot", "joined", "left", "evicted", "quorum"]
 
+MAX_WATCHED_REPLICAS = 256
+"""Replica ids one Watch stream may be filtered to (a node agent's: its host's replicas)."""
+
 _T = TypeVar("_T")
 
 _EMPTY_SOURCES: Mapping[str, tuple[tuple[str, ...], ...]] = MappingProxyType({})
@@ -230,6 +233,8 @@ class MembershipEvent:
     ranks exit, and node agents kill its processes."""
     incarnation: int | None = None
     """`joined`, `left`, `evicted`: the incarnation concerned."""
+    incarnations: tuple[int, ...] = ()
+    """`snapshot` of a stream filtered by replica ids: the incarnation of each of `members`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,13 +11,23 @@ from fthsdp.services.quorum.domain import MembershipEvent
 class Subscription:
     """One Watch stream's queue of events; `None` in the queue ends the stream."""
 
-    def __init__(self, size: int, *, without_joins: bool = False) -> None:
+    def __init__(
+        self, size: int, *, without_joins: bool = False, replicas: frozenset[str] | None = None
+    ) -> None:
         self.queue: asyncio.Queue[MembershipEvent | None] = asyncio.Queue(maxsize=size)
         self.overflowed = False
         self.holder: tuple[str, int] | None = None
         """The replica (and incarnation) this stream keeps alive, if its leader opened it."""
         self.without_joins = without_joins
         """`joined` events are not sent to it."""
+        self.replicas = replicas
+        """Only events about these replicas are sent to it (no `quorum` events), if set."""
+
+    def takes(self, event: MembershipEvent) -> bool:
+        """Whether `event` goes to this stream."""
+        if self.replicas is not None:
+            return event.replica_id in self.replicas
+        return not (self.without_joins and event.kind == "joined")
 
     def offer(self, event: MembershipEvent | None) -> None:
         """Queues an event; a subscriber that fell `size` events behind is cut off."""
@@ -42,9 +52,20 @@ class EventHub:
         """Whether any stream is open (events are built only then)."""
         return bool(self._subscribers)
 
-    def subscribe(self, snapshot: MembershipEvent, *, without_joins: bool = False) -> Subscription:
-        """A new stream whose first event is `snapshot`."""
-        sub = Subscription(self._queue_size, without_joins=without_joins)
+    @property
+    def streams(self) -> int:
+        """Open streams."""
+        return len(self._subscribers)
+
+    def subscribe(
+        self,
+        snapshot: MembershipEvent,
+        *,
+        without_joins: bool = False,
+        replicas: frozenset[str] | None = None,
+    ) -> Subscription:
+        """A new stream whose first event is `snapshot` (`Subscription` for the filters)."""
+        sub = Subscription(self._queue_size, without_joins=without_joins, replicas=replicas)
         sub.offer(snapshot)
         self._subscribers.add(sub)
         return sub
@@ -56,9 +77,8 @@ class EventHub:
     def publish(self, event: MembershipEvent) -> None:
         """Delivers `event` to every stream that takes its kind; one that overflowed is
         dropped."""
-        joined = event.kind == "joined"
         for sub in list(self._subscribers):
-            if joined and sub.without_joins:
+            if not sub.takes(event):
                 continue
             sub.offer(event)
             if sub.overflowed:

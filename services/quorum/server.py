@@ -194,8 +194,11 @@ class _Servicer:
         try:
             if request.replica_id:
                 holder = (core.check_id(request.replica_id), request.incarnation)
+            replicas = core.check_watched(request.replica_ids)
             coordinator = self._leader()[0]
-            sub = coordinator.subscribe(holder, without_joins=request.without_joins)
+            sub = coordinator.subscribe(
+                holder, without_joins=request.without_joins, replicas=replicas
+            )
         except QuorumError as exc:
             code, kind, message = status_for(exc)
             context.set_trailing_metadata(((ERROR_CODE_KEY, kind),))

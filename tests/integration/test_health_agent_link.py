@@ -65,9 +65,8 @@ async def test_a_cut_agent_link_evicts_nobody_and_a_death_behind_a_live_agent_is
         failure_action="report",  # the agent follows joins for the incarnation even so
         heartbeat_timeout=timedelta(milliseconds=400),
     )
-    assert agent.quorum is not None and central.engine is not None
-    reporter = agent.quorum
-    await eventually(lambda: _true(reporter.watching))  # it sees the joins below
+    assert agent.agent is not None and central.engine is not None
+    node_agent = agent.agent
     clients = [AsyncQuorumClient(quorum.address, token) for _ in REPLICAS]
     incarnations = {r: await c.join(r, [RANK]) for c, r in zip(clients, REPLICAS, strict=True)}
     ranks = [
@@ -76,6 +75,9 @@ async def test_a_cut_agent_link_evicts_nobody_and_a_death_behind_a_live_agent_is
     ]
     try:
         await eventually(lambda: _true(_states(central) == dict.fromkeys(REPLICAS, "healthy")))
+        # Its event stream follows its replicas; the snapshot names the incarnations they joined
+        # as before the stream.
+        await eventually(lambda: _true(node_agent.watched == set(REPLICAS)))
         proxy.blackhole()
         # Central finds both ranks silent behind the lost agent and leaves them to the quorum
         # service (before the fix it reported them, and the quorum service evicted both).

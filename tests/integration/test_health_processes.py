@@ -248,9 +248,9 @@ async def test_a_teardown_asked_by_anyone_else_reaches_the_agent_through_the_eve
             r0 = spawn(agent.grpc_address, "r0")
             r1 = [spawn(agent.grpc_address, "r1", "--rank", str(rank)) for rank in (0, 1)]
             await _all_running(agent, 3)
-            assert agent.quorum is not None
-            link = agent.quorum
-            await eventually(lambda: _now(link.watching))
+            assert agent.agent is not None
+            node_agent = agent.agent
+            await eventually(lambda: _now(node_agent.watched == {"r0", "r1"}))
 
             # In this order on the one stream: r0's plain eviction is handled before r1's.
             assert await client.report_failure("r0", "slow", reporter="operator")
