@@ -4,10 +4,8 @@ token or a central stopping is not (retry within a few seconds)."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import AsyncIterator
-from datetime import timedelta
 
 import grpc
 import pytest
@@ -15,42 +13,17 @@ import pytest
 from fthsdp.protos import health_pb2 as pb
 from fthsdp.protos import health_pb2_grpc as pb_grpc
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health.client_codec import ReportBatch
 from fthsdp.services.health.forward_pacing import CHANNEL_OPTIONS, reached_busy_central
-from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.server import IngestServer
-
-
-class HeldSink:
-    """Holds every Report until `release` is set."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.entered = 0
-
-    async def ingest(self, batch: ReportBatch) -> None:
-        self.entered += 1
-        await self.release.wait()
-
-    def forward_interval_ms(self) -> int:
-        return 0
+from tests.ingest_support import RecordingSink, ingest_server
 
 
 @pytest.fixture
-async def held(token: str) -> AsyncIterator[tuple[HeldSink, IngestServer]]:
-    sink = HeldSink()
-    server = IngestServer(
-        host="127.0.0.1",
-        port=0,
-        token=Token(token),
-        sink=sink,
-        metrics=HealthMetrics(),
-        grace=timedelta(milliseconds=100),
-    )
-    await server.start()
-    yield sink, server
-    sink.release.set()
-    await server.stop()
+async def held(token: str) -> AsyncIterator[tuple[RecordingSink, IngestServer]]:
+    """A central whose every Report is held until the test ends."""
+    async with ingest_server(token) as (sink, server):
+        sink.gate.clear()
+        yield sink, server
 
 
 async def _forward(address: str, token: str, timeout_s: float = 0.3) -> tuple[grpc.RpcError, bool]:
@@ -68,7 +41,7 @@ async def _forward(address: str, token: str, timeout_s: float = 0.3) -> tuple[gr
 
 
 async def test_a_central_holding_the_forward_past_its_deadline_is_busy(
-    held: tuple[HeldSink, IngestServer], token: str
+    held: tuple[RecordingSink, IngestServer], token: str
 ) -> None:
     sink, server = held
     err, busy = await _forward(server.address, token)
@@ -88,7 +61,7 @@ async def test_nothing_listening_is_unreachable_not_busy(token: str) -> None:
     assert not busy
 
 
-async def test_a_wrong_token_is_not_busy(held: tuple[HeldSink, IngestServer]) -> None:
+async def test_a_wrong_token_is_not_busy(held: tuple[RecordingSink, IngestServer]) -> None:
     sink, server = held
     err, busy = await _forward(server.address, "w" * 32)
     assert isinstance(err, grpc.aio.AioRpcError)
@@ -97,10 +70,10 @@ async def test_a_wrong_token_is_not_busy(held: tuple[HeldSink, IngestServer]) ->
 
 
 async def test_a_central_shutting_down_is_not_busy(
-    held: tuple[HeldSink, IngestServer], token: str
+    held: tuple[RecordingSink, IngestServer], token: str
 ) -> None:
     sink, server = held
-    sink.release.set()
+    sink.gate.set()
     await server.stop()
     err, busy = await _forward(server.address, token, timeout_s=1.0)
     assert isinstance(err, grpc.aio.AioRpcError)

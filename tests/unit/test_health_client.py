@@ -12,45 +12,16 @@ from datetime import timedelta
 
 import pytest
 
-from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.client import TelemetryClient
-from fthsdp.services.health.client_codec import ReportBatch
-from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.server import IngestServer
 from fthsdp.services.health.telemetry import InboundLink
-
-
-class RecordingSink:
-    """Keeps every batch; `gate` (when cleared) holds every Report open."""
-
-    def __init__(self) -> None:
-        self.batches: list[ReportBatch] = []
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    async def ingest(self, batch: ReportBatch) -> None:
-        await self.gate.wait()
-        self.batches.append(batch)
-
-    def forward_interval_ms(self) -> int:
-        return 0
+from tests.ingest_support import RecordingSink, ingest_server
 
 
 @pytest.fixture
 async def sink_server(token: str) -> AsyncIterator[tuple[RecordingSink, IngestServer]]:
-    sink = RecordingSink()
-    server = IngestServer(
-        host="127.0.0.1",
-        port=0,
-        token=Token(token),
-        sink=sink,
-        metrics=HealthMetrics(),
-        grace=timedelta(milliseconds=100),
-    )
-    await server.start()
-    yield sink, server
-    sink.gate.set()
-    await server.stop()
+    async with ingest_server(token) as served:
+        yield served
 
 
 async def _until(check: object, seconds: float = 10.0) -> None:
