@@ -54,6 +54,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fthsdp.bench.scale_agent_streams import AGENT_STREAM_MODES
 from fthsdp.bench.scale_agents import INGEST_SETTLE_S
 from fthsdp.bench.scale_harness import Harness
 from fthsdp.bench.scale_model import Shape, Victim, parse_shape, victims
@@ -212,8 +213,9 @@ def _failure(
     harness.account(name, before)
     errors = [a for a in armed if isinstance(a, dict) and "error" in a]
     failure = failure_result(
-        [*errors, *answers], victim, death, harness.reports(victim), survivors, shape, limit
-    )
+        [*errors, *answers], victim, death, harness.reports(victim), survivors, shape, limit,
+        agent_streams=args.agent_streams,
+    )  # fmt: skip
     failure["cpu_s"] = {n: c.get(name) for n, c in harness.cpu.items()}
     failure["gc_s"] = {n: c.get(name) for n, c in harness.gc.items()}
     # The rounds the service formed meanwhile: (participants, last ask -> every answer sent).
@@ -266,6 +268,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "--death", choices=("crash", "hang"), default="crash",
         help="crash: the rank's process is SIGKILLed, its agent sees it exit (default); hang: "
         "it only stops beating, and the agent's heartbeat timeout runs in full",
+    )  # fmt: skip
+    p.add_argument(
+        "--agent-streams", choices=AGENT_STREAM_MODES, default="filtered",
+        help="each node agent's quorum event stream: filtered to its host's replica, as agents "
+        "open it (default); all: every event of the job, as before; off: none",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=10, help="steady quorum rounds (default 10)")
     p.add_argument("--clients", type=int, default=2, help="client processes (default 2)")

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from fthsdp.bench.emulation import replica_name
+from fthsdp.bench.scale_agent_streams import AgentStreams
 from fthsdp.bench.scale_agents import (
     CountingCache,
     Heartbeats,
@@ -92,6 +93,7 @@ class Emulator:
             )
             for k, r in enumerate(plan.replicas)
         }
+        self.agents = AgentStreams(target, plan.token, s.agent_streams)
         self.side = SideLoop(f"scale-heartbeats-{plan.index}")
         self.beats = Heartbeats()
         self._beating: concurrent.futures.Future[None] | None = None
@@ -139,6 +141,8 @@ class Emulator:
         joined_s = time.monotonic() - started
         total = sum(rep.alive for rep in self.replicas.values())
         await self.ranks.wait_live(total, end)
+        hosts = [(rep.name, self.shape.hosts_per_replica) for rep in self.replicas.values()]
+        agents = await self.agents.open(hosts, end)
         # This process holds tens of thousands of ranks' objects, a real rank's process a few:
         # keep the collector from walking them (it inflated the plan work measured here ~10x).
         gc.freeze()
@@ -148,6 +152,7 @@ class Emulator:
             "join_s": joined_s,
             "streams_total": total,
             "streams_live": self.ranks.counters["streams_live"],
+            **agents,
             "setup_s": time.monotonic() - started,
         }
 
@@ -222,6 +227,7 @@ class Emulator:
         self.cache.phase = f"failure-{number}"
         self.ranks.first_seen.pop(victim.replica_id, None)
         self.ranks.foreign_evictions.clear()
+        self.agents.arm()
         if victim.rank == 0 and victim.replica in self.replicas:  # the leader itself dies
             self.replicas[victim.replica].alive = False
         for rep in self.replicas.values():
@@ -261,7 +267,17 @@ class Emulator:
         for rep, quorum, arrived in deliveries:
             self.ranks.deliver(rep, quorum, arrived)
         ring = ring_order(survivors)
+        if victim.replica in self.replicas and self.agents.mode != "off":
+            # Its agents may hear of it after the survivors hold their ring.
+            while (
+                len(self.agents.heard(victim.replica_id)) < self.shape.hosts_per_replica
+                and time.monotonic() < end
+            ):
+                await asyncio.sleep(0.01)
         return {
+            "agents_heard": self.agents.heard(victim.replica_id),
+            "agent_messages": self.agents.messages,
+            "agent_errors": list(self.agents.errors),
             "first_seen": self.ranks.first_seen.get(victim.replica_id),
             "replicas": {rep.index: self.ranks.outcome(rep, ring, detail) for rep in mine},
             "foreign_evictions": list(self.ranks.foreign_evictions),
@@ -344,6 +360,7 @@ class Emulator:
         if self._beating is not None:
             await asyncio.wrap_future(self._beating)
         await self.ranks.close()
+        await self.agents.close()
         self.side.close()
         for channel in self._channels:
             await channel.close(None)

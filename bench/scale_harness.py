@@ -93,7 +93,7 @@ class Harness:
                 token=self.token,
                 shape=self.shape,
                 replicas=tuple(replicas),
-                settings=Settings(relay_hop_s=relay_hop_s),
+                settings=Settings(relay_hop_s=relay_hop_s, agent_streams=a.agent_streams),
             )
             conn = self._spawn(f"client-{k}", run_client, plan)
             if _recv(conn, START_TIMEOUT_S) != "ready":

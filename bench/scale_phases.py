@@ -26,6 +26,8 @@ def setup_result(answers: Sequence[Any], shape: Shape, deadline_s: float) -> dic
     ok = _ok(answers)
     live = sum(a["streams_live"] for a in ok)
     total = sum(a["streams_total"] for a in ok)
+    agents_live = sum(a.get("agent_streams_live", 0) for a in ok)
+    agents_total = sum(a.get("agent_streams_total", 0) for a in ok)
     joined = sum(a["joined"] for a in ok)
     join_errors = [e for a in ok for e in a["join_errors"]]
     incomplete = [f"setup: {e}" for e in _errors(answers)]
@@ -36,12 +38,18 @@ def setup_result(answers: Sequence[Any], shape: Shape, deadline_s: float) -> dic
         incomplete.append(
             f"leader Watch streams live: {live:,} / {joined:,} after {deadline_s:g} s"
         )
+    if agents_live < agents_total:
+        incomplete.append(
+            f"agent Watch streams live: {agents_live:,} / {agents_total:,} after {deadline_s:g} s"
+        )
     return {
         "joined": joined,
         "join_errors": join_errors,
         "join_s": max((a["join_s"] for a in ok), default=None),
         "streams_live": live,
         "streams_total": total,
+        "agent_streams_live": agents_live,
+        "agent_streams_total": agents_total,
         "setup_s": max((a["setup_s"] for a in ok), default=None),
         "incomplete": incomplete,
     }
@@ -106,9 +114,11 @@ def failure_result(
     survivors: Sequence[int],
     shape: Shape,
     deadline_s: float,
+    agent_streams: str = "filtered",
 ) -> dict[str, Any]:
     """The stages of one failure, from the victim's death (monotonic), with the victim's agent's
-    reports (started, answered, replica id, outcome)."""
+    reports (started, answered, replica id, outcome); the last stage is the victim's node agents
+    hearing its eviction on their streams (`agent_streams`: their mode; none with "off")."""
     ok = _ok(answers)
     early = [r for r in reports if r[0] < death]
     reports = [r for r in reports if r[0] >= death]
@@ -142,6 +152,13 @@ def failure_result(
         stage(
             "ranks hold ring", origin, [t for o in mine for t in o["ring_at"]], ranks, deadline_s
         ),
+        stage(
+            "its agents heard it",
+            origin,
+            [t for a in ok for t in a.get("agents_heard", ())],
+            shape.hosts_per_replica if agent_streams != "off" else 0,
+            deadline_s,
+        ),
     ]
     incomplete = [f"failure {victim.replica_id}:{victim.rank}: {e}" for e in _errors(answers)]
     if early:
@@ -152,8 +169,9 @@ def failure_result(
     incomplete += [
         f"failure {victim.replica_id}:{victim.rank}: {s.name}: {s.describe()}"
         for s in stages
-        if not s.complete
+        if not s.complete and s.total > 0
     ]
+    incomplete += [e for a in ok for e in a.get("agent_errors", ())]
     foreign = sorted({e for a in ok for e in a["foreign_evictions"]})
     if foreign:
         incomplete.append(
@@ -173,6 +191,7 @@ def failure_result(
         "report_answered_s": None if answered is None else answered - death,
         "reports_before_death": len(early),
         "stages": [s.to_dict() for s in stages],
+        "agent_messages": sum(a.get("agent_messages", 0) for a in ok),
         "via_exchange_timeout": sum(o["via_timeout"] for o in mine),
         "epochs": max((o["epochs"] for o in mine), default=0),
         "wrong_neighbours": wrong,

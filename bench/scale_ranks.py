@@ -50,6 +50,8 @@ class Settings:
     rank_beat_s: float = 0.2
     forward_interval_s: float = HealthConfig().forward_interval.total_seconds()
     forward_timeout_s: float = 1.0
+    agent_streams: str = "filtered"
+    """The node agents' quorum event streams (`scale_agent_streams.AGENT_STREAM_MODES`)."""
     partial_step_s: float = 0.5
     """A survivor holding a quorum of only some survivors trains a step on it (this long) before
     its leader asks again (an emulated step is otherwise instant)."""

@@ -65,12 +65,14 @@ def _setup(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         return []
     joined = f"{st['joined']:,} / {result['shape']['replicas']:,}"
     live = f"{st['streams_live']:,} / {st['streams_total']:,}"
+    agents = f"{st.get('agent_streams_live', 0):,} / {st.get('agent_streams_total', 0):,}"
     return [
         "",
         f"{'setup':<{W}}{'done':>22}{'s':>9}",
         f"{'  leaders joined':<{W}}{joined:>22}{_f(st['join_s'], '.1f'):>9}",
         f"{'  leader Watch streams live (snapshot received)':<{W}}{live:>22}"
         f"{_f(st['setup_s'], '.1f'):>9}",
+        f"{'  node agent Watch streams live':<{W}}{agents:>22}",
         f"  quorum service RSS with every stream open: {_mb(st.get('quorum_rss_bytes'))}",
     ]
 
@@ -106,6 +108,7 @@ STAGE_LABELS = {
     "leaders left it out": "every survivor has a quorum without it",
     "leaders hold quorum": "every survivor holds the full new quorum",
     "ranks hold ring": "every surviving rank holds its new ring",
+    "its agents heard it": "every node agent of its replica heard it",
 }
 
 
@@ -129,6 +132,9 @@ def _failures(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
             else ""
         )
         lines.append(f"{'  ' + STAGE_LABELS[name]:<{W}}{cells}{goal}")
+    messages = "".join(f"{f.get('agent_messages', 0):>{col},}" for f in failures)
+    mode = result.get("settings", {}).get("agent_streams", "filtered")
+    lines.append(f"{'  events to agent streams (' + mode + ')':<{W}}{messages}")
     extra = "".join(
         f"{str(f['via_exchange_timeout']) + ' / ' + str(f['wrong_neighbours']):>{col}}"
         for f in failures

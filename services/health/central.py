@@ -67,6 +67,12 @@ _NODE_CADENCES = 3.0
 """A node agent is alive while its last node state is at most this many of its forward
 intervals old (and at least `_NODE_LIVE_MIN_S`)."""
 _NODE_LIVE_MIN_S = 0.3
+NODE_FORGET_S = 4 * MAX_FORWARD_INTERVAL.total_seconds()
+"""A node agent not heard for this long is forgotten: it no longer counts toward the interval
+the others are asked for (hosts retired, a job that shrank), and should it come back, its first
+node state reads as a gap in its telemetry."""
+MAX_NODES = 200_000
+"""Node agents tracked at most (the least recently heard goes first): a bound, whatever sends."""
 UNHEARD_QUIET_S = 0.5
 """A replica behind a node agent no longer heard is evicted only once the quorum service has not
 heard from it for this long either (or three of its step intervals): a blackholed host is gone
@@ -120,6 +126,7 @@ class CentralEngine:
         self._quorum = quorum
         self._clock = clock
         self._nodes: dict[str, NodeView] = {}
+        """Node agents heard, least recently heard first."""
         self._forward_interval_ms = 0
         """What agents are asked to forward at (0: their own `forward_interval`)."""
         self._agent_failstops: set[RankId] = set()
@@ -211,6 +218,9 @@ class CentralEngine:
                 # agent "alive" for seconds, while a cadence that really grew is followed within
                 # a dozen forwards.
                 interval = 0.8 * previous.interval_s + 0.2 * min(gap, 2 * previous.interval_s)
+        self._nodes.pop(state.node, None)  # to the end: least recently heard first
+        if previous is None and len(self._nodes) >= MAX_NODES:
+            self._forget(next(iter(self._nodes)))
         self._nodes[state.node] = NodeView(
             node=state.node,
             ranks=len(state.ranks),
@@ -221,6 +231,25 @@ class CentralEngine:
         if previous is None:
             self._metrics.nodes.set(len(self._nodes))
             self._space_forwards()
+
+    def _forget_silent_nodes(self, now: float) -> None:
+        """Forgets the node agents not heard for `NODE_FORGET_S` (the oldest come first)."""
+        forgot = 0
+        while self._nodes:
+            node, view = next(iter(self._nodes.items()))
+            if now - view.last_seen <= NODE_FORGET_S:
+                break
+            self._forget(node)
+            forgot += 1
+        if forgot:
+            log.info("forgot %d node agents not heard for %.0f s", forgot, NODE_FORGET_S)
+            self._metrics.nodes.set(len(self._nodes))
+            self._space_forwards()
+
+    def _forget(self, node: str) -> None:
+        del self._nodes[node]
+        if len(self._lost_agents) < MAX_NODES:
+            self._lost_agents.add(node)  # its return reads as a telemetry gap
 
     def forward_interval_ms(self) -> int:
         """The interval node agents are asked to forward at, in ms (0: their own)."""
@@ -322,6 +351,7 @@ class CentralEngine:
         found = self.core.evaluate(now)
         self._metrics.evaluate_seconds.observe(time.perf_counter() - started)
         self._observe(self.core.stats())
+        self._forget_silent_nodes(now)
         self._report_unheard(now)
         fresh = self._release_held(now) + [
             i for i in found if not self._already_reported(i) and not self._hold(i, now)

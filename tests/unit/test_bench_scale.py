@@ -244,9 +244,9 @@ def test_a_failure_is_staged_from_the_death_and_early_reports_are_flagged() -> N
     ring = [replica_name(0), replica_name(2)]
     answers = [
         {"first_seen": 100.74, "replicas": {0: _survivor(100.8, 2, ring=ring)},
-         "foreign_evictions": []},
+         "foreign_evictions": [], "agents_heard": [100.76], "agent_messages": 1},
         {"first_seen": None, "replicas": {2: _survivor(100.9, 2, ring=ring)},
-         "foreign_evictions": []},
+         "foreign_evictions": [], "agents_heard": [], "agent_messages": 0},
     ]  # fmt: skip
     reports = [
         (99.0, 99.1, "replica-001", "deduplicated"),
@@ -262,7 +262,9 @@ def test_a_failure_is_staged_from_the_death_and_early_reports_are_flagged() -> N
         "leaders left it out": 1.05,
         "leaders hold quorum": 1.1,
         "ranks hold ring": 1.2,
+        "its agents heard it": 0.76,  # the victim's one host's agent, on its filtered stream
     })  # fmt: skip
+    assert f["agent_messages"] == 1
     assert f["detected_s"] == pytest.approx(0.7) and f["report_answered_s"] == pytest.approx(0.75)
     assert f["reports_before_death"] == 1 and f["quorum_ids"] == [7] and f["ring_sizes"] == [2]
     assert f["epochs"] == 1
@@ -284,7 +286,7 @@ def test_a_failure_that_stalls_reports_each_stage_it_did_not_reach() -> None:
     f = failure_result(answers, victim, 100.0, [], [0, 2], shape, 60.0)
     by_name = {s["name"]: s for s in f["stages"]}
     assert by_name["evicted"]["complete"] and by_name["ranks notified"]["done"] == 2
-    assert [s["complete"] for s in f["stages"]] == [True, False, False, False, False, False]
+    assert [s["complete"] for s in f["stages"]] == [True] + [False] * 6
     assert f["incomplete"] == [
         "failure replica-001:1: client-1: TimeoutError no answer in 90 s",
         "failure replica-001:1: ranks notified: 2 / 4 after 60 s",
@@ -292,6 +294,7 @@ def test_a_failure_that_stalls_reports_each_stage_it_did_not_reach() -> None:
         "failure replica-001:1: leaders left it out: 0 / 2 after 60 s",
         "failure replica-001:1: leaders hold quorum: 0 / 2 after 60 s",
         "failure replica-001:1: ranks hold ring: 0 / 4 after 60 s",
+        "failure replica-001:1: its agents heard it: 0 / 1 after 60 s",
         "failure replica-001:1: 1 healthy replicas evicted meanwhile, e.g. replica-002: no "
         "heartbeat for 1000 ms",
         "failure replica-001:1: 2 ranks hold a wrong ring",
@@ -356,7 +359,7 @@ def _document() -> dict[str, Any]:
             ("evicted", 1, 1, 0.752), ("ranks notified", 98_304 - 8192, 90_112, 12.5),
             ("replicas voted", 11, 11, 12.6), ("leaders left it out", 11, 11, 12.8),
             ("leaders hold quorum", 11, 11, 13.0),
-            ("ranks hold ring", 41_203, 90_112, None),
+            ("ranks hold ring", 41_203, 90_112, None), ("its agents heard it", 1024, 1024, 0.2),
         )
     ]  # fmt: skip
     return {
@@ -368,7 +371,8 @@ def _document() -> dict[str, Any]:
         "world_size_cap": {"cap": 4096, "lifted_in_the_service_process": True},
         "failures": [{"victim": {"replica_id": "replica-006", "rank": 2731}, "detected_s": 0.71,
                       "stages": stages, "via_exchange_timeout": 0, "wrong_neighbours": 0,
-                      "ring_sizes": [11], "epochs": 2, "cpu_s": {"quorum": 31.2}}],
+                      "ring_sizes": [11], "epochs": 2, "cpu_s": {"quorum": 31.2},
+                      "agent_messages": 1024}],
         "processes": {"quorum": {"cpu_s": {"setup": 40.0}, "rss_peak_bytes": 2_500_000_000}},
         "incomplete": ["failure replica-006:2731: ranks hold ring: 41,203 / 90,112 after 60 s"],
     }  # fmt: skip
@@ -393,6 +397,8 @@ def test_the_table_shows_each_stage_the_cap_and_what_fell_short() -> None:
     assert row["new ring size / quorums to reach it"] == ["11", "/", "2"]
     assert row["every surviving rank holds its new ring"] == ["41,203/90,112", "@60s", "≤", "0.7"]
     assert row["quorum service CPU s in the phase"] == ["31.2"]
+    assert row["every node agent of its replica heard it"] == ["0.200"]
+    assert row["events to agent streams (filtered)"] == ["1,024"]
     assert "  quorum service RSS peak 2,500.0 MB misses the ≤ 1 GB target" in lines
     assert lines[-2:] == [
         "did not complete / fell short:",

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fthsdp.services.health.central import CentralEngine
+from fthsdp.services.health import central
+from fthsdp.services.health.central import NODE_FORGET_S, CentralEngine
 from fthsdp.services.health.client_codec import NodeRank, NodeState, ReportBatch
 from fthsdp.services.health.config import MAX_FORWARD_INTERVAL, HealthConfig
 from fthsdp.services.health.detectors.config import DetectorConfig
@@ -135,3 +136,36 @@ async def test_an_entry_record_one_interval_late_is_not_a_hang(agents_fit: bool)
         assert hangs
     else:
         assert hangs == []
+
+
+async def test_agents_not_heard_for_long_are_forgotten_and_the_interval_shrinks_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    engine = _engine(clock)
+    await _ingest_all(engine, AGENTS)
+    assert engine.forward_interval_ms() == SPACED_S * 1000
+    clock.now += NODE_FORGET_S / 2
+    for node in (0, 1):  # two hosts go on; the others were retired
+        await engine.ingest(_forward(node))
+    clock.now += NODE_FORGET_S / 2 + 1
+    await engine.evaluate_once()
+    assert [v.node for v in engine.nodes()] == ["n0", "n1"]
+    assert engine.forward_interval_ms() == 0 and engine.core.delivery_slack_s == 0.0
+    # One comes back: what it sent meanwhile was lost, and its return says so.
+    with caplog.at_level("INFO", logger="fthsdp.services.health.central"):
+        await engine.ingest(_forward(5))
+    assert "node agent n5 is heard again" in caplog.text
+    assert len(engine.nodes()) == 3
+
+
+async def test_the_nodes_tracked_are_bounded_least_recently_heard_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(central, "MAX_NODES", 3)
+    clock = Clock()
+    engine = _engine(clock)
+    for node in (0, 1, 2, 0, 3, 4):  # n0 heard again before n3 and n4 arrive
+        clock.now += 0.1
+        await engine.ingest(_forward(node))
+    assert [v.node for v in engine.nodes()] == ["n0", "n3", "n4"]
