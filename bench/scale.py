@@ -9,7 +9,9 @@ leaders, ranks and node agents in a few client processes (bench.scale_emulated; 
 Phases, each bounded by a deadline so the harness always finishes and says what did not:
 0. one hop of the replica's notice relay, on the real code (bench.scale_relay).
 1. setup: every leader joins with its ranks' endpoints (and beats from then on) and opens its
-   Watch stream; its ranks hear events through the relay tree, a measured hop per level.
+   Watch stream; its ranks hear events through the relay tree, a measured hop per level. Then
+   every host's node agent opens its own Watch stream (`--agent-streams`: filtered to its
+   replica, as `NodeAgent` does; `all`: every event of the job, as before; `off`).
 2. rounds: the first round (every member, and the endpoints of each leader's ring neighbours),
    then `--rounds` steady rounds back to back:
    server-side p50/p99 (last ask -> every participant answered, measured by the service),
@@ -21,7 +23,8 @@ Phases, each bounded by a deadline so the harness always finishes and says what 
    surviving rank hears of it (its leader's Watch stream, then the relay tree) and aborts its
    exchange; every surviving replica votes no; every surviving leader holds a quorum without
    it, then the quorum of all survivors; every surviving rank holds its new ring neighbours
-   (checked against the expected ring). A stage that does not complete within
+   (checked against the expected ring); every node agent of the victim's replica hears it
+   evicted on its own stream. A stage that does not complete within
    `--stage-timeout-s` is reported as "done / total after N s".
 4. health ingest: every node agent forwards its node state every `HealthConfig.forward_interval`
    (200 ms), or at the longer interval central answers with when it has more agents than it

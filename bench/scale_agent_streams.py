@@ -13,6 +13,8 @@ from typing import Any
 
 import grpc
 
+from fthsdp.services.common.backoff import Retries
+from fthsdp.services.health.quorum_reporter import WATCH_RETRY
 from fthsdp.services.quorum.client import (
     CHANNEL_OPTIONS,
     AsyncQuorumClient,
@@ -33,13 +35,16 @@ class AgentStreams:
         self._per_channel = per_channel
         self._channels: list[grpc.aio.Channel] = []
         self._clients: list[AsyncQuorumClient] = []
-        self._streams: list[AsyncWatchStream] = []
+        self._streams: set[AsyncWatchStream] = set()
+        self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
         self.live = 0
         """Streams whose snapshot arrived."""
         self.messages = 0
         """Events received (snapshots excepted) since `arm`."""
-        self.errors: list[str] = []
+        self.failures = 0
+        """Streams that failed (each opened again after a backoff)."""
+        self.last_failure = ""
         self._heard: dict[str, list[float]] = {}
 
     async def open(self, hosts: Sequence[tuple[str, int]], deadline: float) -> dict[str, Any]:
@@ -61,27 +66,40 @@ class AgentStreams:
         for replica, n in hosts if total else ():
             for _ in range(n):
                 client = self._clients[k % len(self._clients)]
-                stream = client.watch(replicas=(replica,) if self.mode == "filtered" else None)
-                self._streams.append(stream)
-                self._tasks.append(asyncio.create_task(self._follow(replica, stream)))
+                self._tasks.append(asyncio.create_task(self._follow(replica, client)))
                 k += 1
         while self.live < total and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return {"agent_streams_total": total, "agent_streams_live": self.live}
+        return {
+            "agent_streams_total": total,
+            "agent_streams_live": self.live,
+            "agent_stream_failures": self.failures,
+        }
 
-    async def _follow(self, replica: str, stream: AsyncWatchStream) -> None:
-        first = True
-        try:
-            async for event in stream:
-                if first:
-                    self.live += 1
-                    first = False
-                    continue
-                self.messages += 1
-                if event.kind == "evicted" and event.replica_id == replica:
-                    self._heard.setdefault(replica, []).append(time.monotonic())
-        except QuorumError as exc:
-            self.errors.append(f"agent stream of {replica}: {exc}")
+    async def _follow(self, replica: str, client: AsyncQuorumClient) -> None:
+        """One agent's stream, opened again after the agent's own backoff (`WATCH_RETRY`)
+        whenever it fails, as `QuorumReporter.teardowns` does."""
+        retries, live = Retries(WATCH_RETRY), False
+        while not self._closing:
+            stream = client.watch(replicas=(replica,) if self.mode == "filtered" else None)
+            self._streams.add(stream)
+            first = True
+            try:
+                async for event in stream:
+                    if first:
+                        retries.succeeded()
+                        self.live += not live
+                        live, first = True, False
+                        continue
+                    self.messages += 1
+                    if event.kind == "evicted" and event.replica_id == replica:
+                        self._heard.setdefault(replica, []).append(time.monotonic())
+            except QuorumError as exc:
+                self.failures += 1
+                self.last_failure = f"agent stream of {replica}: {exc}"
+            finally:
+                self._streams.discard(stream)
+            await asyncio.sleep(retries.failed())
 
     def arm(self) -> None:
         """A failure starts: counts and stamps from now."""
@@ -93,8 +111,11 @@ class AgentStreams:
         return list(self._heard.get(replica, ()))
 
     async def close(self) -> None:
-        for stream in self._streams:
+        self._closing = True
+        for stream in list(self._streams):
             stream.cancel()
+        for task in self._tasks:
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for channel in self._channels:
             await channel.close(None)

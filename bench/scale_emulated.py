@@ -277,7 +277,6 @@ class Emulator:
         return {
             "agents_heard": self.agents.heard(victim.replica_id),
             "agent_messages": self.agents.messages,
-            "agent_errors": list(self.agents.errors),
             "first_seen": self.ranks.first_seen.get(victim.replica_id),
             "replicas": {rep.index: self.ranks.outcome(rep, ring, detail) for rep in mine},
             "foreign_evictions": list(self.ranks.foreign_evictions),

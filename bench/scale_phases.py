@@ -28,6 +28,7 @@ def setup_result(answers: Sequence[Any], shape: Shape, deadline_s: float) -> dic
     total = sum(a["streams_total"] for a in ok)
     agents_live = sum(a.get("agent_streams_live", 0) for a in ok)
     agents_total = sum(a.get("agent_streams_total", 0) for a in ok)
+    agent_failures = sum(a.get("agent_stream_failures", 0) for a in ok)
     joined = sum(a["joined"] for a in ok)
     join_errors = [e for a in ok for e in a["join_errors"]]
     incomplete = [f"setup: {e}" for e in _errors(answers)]
@@ -50,6 +51,7 @@ def setup_result(answers: Sequence[Any], shape: Shape, deadline_s: float) -> dic
         "streams_total": total,
         "agent_streams_live": agents_live,
         "agent_streams_total": agents_total,
+        "agent_stream_failures": agent_failures,
         "setup_s": max((a["setup_s"] for a in ok), default=None),
         "incomplete": incomplete,
     }
@@ -171,7 +173,6 @@ def failure_result(
         for s in stages
         if not s.complete and s.total > 0
     ]
-    incomplete += [e for a in ok for e in a.get("agent_errors", ())]
     foreign = sorted({e for a in ok for e in a["foreign_evictions"]})
     if foreign:
         incomplete.append(

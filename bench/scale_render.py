@@ -66,6 +66,8 @@ def _setup(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
     joined = f"{st['joined']:,} / {result['shape']['replicas']:,}"
     live = f"{st['streams_live']:,} / {st['streams_total']:,}"
     agents = f"{st.get('agent_streams_live', 0):,} / {st.get('agent_streams_total', 0):,}"
+    if st.get("agent_stream_failures"):
+        agents += f" ({st['agent_stream_failures']:,} retried)"
     return [
         "",
         f"{'setup':<{W}}{'done':>22}{'s':>9}",
@@ -173,6 +175,8 @@ def _service_rounds(rounds: list[Any]) -> str:
 
 
 def _stage_cell(st: dict[str, Any]) -> str:
+    if st["total"] == 0:
+        return "—"  # nobody to reach it (no agent streams)
     if st["complete"]:
         return f"{st['seconds']:.3f}"
     return f"{st['done']:,}/{st['total']:,} @{st['deadline_s']:g}s"

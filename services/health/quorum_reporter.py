@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Literal
 
+from fthsdp.services.common.backoff import Backoff, Retries
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health.domain import UpstreamError
 from fthsdp.services.health.metrics import HealthMetrics
@@ -28,6 +29,11 @@ from fthsdp.services.quorum.client import (
 )
 
 log = logging.getLogger(__name__)
+
+WATCH_RETRY = Backoff(initial=timedelta(milliseconds=200), maximum=timedelta(seconds=5))
+"""Between a node agent's event streams (the service restarting or failing over, a refused
+stream): jittered, and growing, so that 12K agents do not all come back every 0.2 s at once."""
+_sleep = asyncio.sleep  # the wait between streams (tests record it)
 
 Outcome = Literal["evicted", "already_gone", "unknown_replica", "failed", "deduplicated"]
 
@@ -136,7 +142,6 @@ class QuorumReporter:
 
     async def teardowns(
         self,
-        retry_s: float = 0.2,
         *,
         replicas: Collection[str] | None = None,
         on_join: Callable[[str, int], None] | None = None,
@@ -147,15 +152,19 @@ class QuorumReporter:
         turn while one is down, and never ends by itself. `on_join` hears every (replica,
         incarnation) that joins meanwhile; `on_resync` every new stream's snapshot, after which
         joins made while no stream was up are unknown (a filtered stream's snapshot names the
-        incarnations of its replicas registered)."""
+        incarnations of its replicas registered). Between streams it waits a jittered backoff
+        (`WATCH_RETRY`), from scratch once a stream delivered its snapshot."""
         turn = 0
+        retries = Retries(WATCH_RETRY)
         while True:
             client = self._clients[turn % len(self._clients)]
             stream = client.watch(replicas=replicas)
             try:
                 async for event in stream:
-                    if event.kind == "snapshot" and on_resync is not None:
-                        on_resync(event)
+                    if event.kind == "snapshot":
+                        retries.succeeded()
+                        if on_resync is not None:
+                            on_resync(event)
                     elif event.kind == "evicted" and event.teardown and event.replica_id:
                         yield event.replica_id
                     elif (
@@ -170,7 +179,7 @@ class QuorumReporter:
                 turn += 1
             finally:
                 stream.cancel()  # also when the caller stops iterating: the call ends now
-            await asyncio.sleep(retry_s)
+            await _sleep(retries.failed())
 
     async def close(self) -> None:
         """Closes every channel."""

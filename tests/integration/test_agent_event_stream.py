@@ -2,17 +2,23 @@
 service and a real agent; ranks beat it over gRPC). It opens once a rank beats here, learns
 the incarnations that joined before from the snapshot, opens a wider stream when another
 replica's rank beats here and ends the old one (one stream per agent on the service), and
-hears later joins of its replicas, not those of other hosts' replicas."""
+hears later joins of its replicas, not those of other hosts' replicas; a failed stream comes back
+after a growing jittered wait."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
 
+from fthsdp.services.common.tokens import Token
+from fthsdp.services.health import quorum_reporter
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.client import TelemetryClient
+from fthsdp.services.health.quorum_reporter import QuorumReporter
 from fthsdp.services.quorum.client import AsyncQuorumClient, RankEndpoint
 from fthsdp.services.quorum.server import QuorumServer
 from tests.integration.conftest import QuorumServerFactory, eventually
@@ -68,3 +74,31 @@ async def test_the_stream_follows_this_hosts_replicas_and_their_incarnations(
         for rank in ranks:
             rank.close()
         await client.close()
+
+
+async def test_a_stream_that_fails_comes_back_after_a_growing_jittered_wait(
+    monkeypatch: pytest.MonkeyPatch, token: str
+) -> None:
+    """12K agents retrying every 0.2 s after a quorum service restart would be 60K stream
+    opens a second: the wait grows to `WATCH_RETRY.maximum`, jittered."""
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(quorum_reporter, "_sleep", record)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, never listening: every stream is refused at once
+        reporter = QuorumReporter([f"127.0.0.1:{s.getsockname()[1]}"], Token(token))
+        teardowns = reporter.teardowns(replicas=("r0",))
+        task = asyncio.create_task(anext(teardowns))
+        try:
+            await eventually(lambda: _true(len(waits) >= 10))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await teardowns.aclose()
+            await reporter.close()
+    bounds = [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0, 5.0, 5.0]
+    assert all(0.0 <= w <= b for w, b in zip(waits, bounds, strict=False))
+    assert max(waits[5:10]) > 0.8  # grown past the first bounds, not pinned at 0.2
