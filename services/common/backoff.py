@@ -26,25 +26,29 @@ class Backoff:
         if self.multiplier < 1.0:
             raise ValueError("backoff multiplier must be >= 1")
 
-    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
-        """Endless delays in seconds: uniform in [0, bound], the bound growing to `maximum`."""
-        draw = rng or random.Random()
+    def bounds(self) -> Iterator[float]:
+        """Endless upper bounds of the delays in seconds, growing from `initial` to `maximum`."""
         bound = self.initial.total_seconds()
         cap = self.maximum.total_seconds()
         while True:
-            yield draw.uniform(0.0, bound)
+            yield bound
             bound = min(cap, bound * self.multiplier)
+
+    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
+        """Endless delays in seconds: uniform in [0, bound], for each of `bounds()`."""
+        draw = rng or random.Random()
+        return (draw.uniform(0.0, bound) for bound in self.bounds())
 
 
 class Retries:
     """The delays of a loop that retries after failures in a row: each failure draws the next
-    delay of a `Backoff.delays()` run, and a success makes the next failure start a fresh run."""
+    delay of a `Backoff` run, and a success makes the next failure start a fresh run."""
 
     def __init__(self, backoff: Backoff, rng: random.Random | None = None) -> None:
         self._backoff = backoff
         self._rng = rng or random.Random()
-        self._bound: float | None = None
-        """The current run's bound (None: no failure since the last success)."""
+        self._run: Iterator[float] | None = None
+        """The bounds of the current run (None: no failure since the last success)."""
 
     @classmethod
     def after(cls, interval_s: float, cap_s: float, rng: random.Random | None = None) -> Retries:
@@ -56,17 +60,14 @@ class Retries:
     def failed(self, cap_s: float | None = None) -> float:
         """The delay before the next try, in seconds: uniform up to the run's bound, or up to
         `cap_s` if that is less (the bound grows all the same)."""
-        b = self._backoff
-        if self._bound is None:
-            self._bound = b.initial.total_seconds()
-        else:
-            self._bound = min(b.maximum.total_seconds(), self._bound * b.multiplier)
-        top = self._bound if cap_s is None else min(self._bound, cap_s)
-        return self._rng.uniform(0.0, top)
+        if self._run is None:
+            self._run = self._backoff.bounds()
+        bound = next(self._run)
+        return self._rng.uniform(0.0, bound if cap_s is None else min(bound, cap_s))
 
     def succeeded(self) -> None:
         """The failures in a row are over."""
-        self._bound = None
+        self._run = None
 
 
 def sleep_before_retry(delays: Iterator[float], deadline: float) -> bool:
