@@ -45,6 +45,7 @@ def test_every_leader_joined_and_watches(run: tuple[dict[str, Any], str]) -> Non
     setup = data["setup"]
     assert (setup["joined"], setup["join_errors"]) == (3, [])
     assert setup["streams_live"] == setup["streams_total"] == 3  # one per replica, not per rank
+    assert setup["agent_streams_live"] == setup["agent_streams_total"] == 6  # one per host
     relay = data["relay"]
     assert relay["depth"] == 1 and 0 < relay["hop_s_p50"] <= relay["hop_s_p99"]
     assert data["incomplete"] == []
@@ -73,7 +74,9 @@ def test_the_dead_rank_takes_only_its_replica_out(run: tuple[dict[str, Any], str
     assert f["foreign_evictions"] == [] and f["errors"] == []
     assert f["via_exchange_timeout"] == 0  # every rank heard it on its Watch stream
     assert all(s["complete"] and s["done"] == s["total"] for s in f["stages"])
-    assert [s["total"] for s in f["stages"]] == [1, 8, 2, 2, 2, 8]
+    # ... the last: the victim's two hosts' agents heard it on their own (filtered) streams
+    assert [s["total"] for s in f["stages"]] == [1, 8, 2, 2, 2, 8, 2]
+    assert f["agent_messages"] == 2  # its eviction, to its two agents only
     assert f["epochs"] == 1  # both survivors asked in time: one quorum leaves it out
 
 
