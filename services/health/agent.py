@@ -6,8 +6,9 @@ their processes (`ExitWatch`); a rank whose process exited, or silent for `heart
 is reported to the quorum service at once (so the survivors' next quorum leaves its replica
 out: kill -> new quorum within one RPC where the exit is seen, heartbeat_timeout + one RPC for
 a silence, a hang or a process out of the agent's sight), and the incident goes to the
-central service with the outcome of the report. The agent follows the quorum service's event
-stream: its joins say which incarnation the silent rank belonged to, and the report (and the
+central service with the outcome of the report. The agent follows the quorum service's events
+about its own host's replicas (a stream filtered to them, its snapshot naming their
+incarnations): joins say which incarnation the silent rank belonged to, and the report (and the
 incident's evidence, for a central service that evicts when the report failed) names that one
 only. An agent cut from the central service goes on reporting its ranks to the quorum service;
 the central service leaves their liveness to it meanwhile.
