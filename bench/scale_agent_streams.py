@@ -18,7 +18,6 @@ from fthsdp.services.health.quorum_reporter import WATCH_RETRY
 from fthsdp.services.quorum.client import (
     CHANNEL_OPTIONS,
     AsyncQuorumClient,
-    AsyncWatchStream,
     QuorumError,
 )
 
@@ -35,8 +34,6 @@ class AgentStreams:
         self._per_channel = per_channel
         self._channels: list[grpc.aio.Channel] = []
         self._clients: list[AsyncQuorumClient] = []
-        self._streams: set[AsyncWatchStream] = set()
-        self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
         self.live = 0
         """Streams whose snapshot arrived."""
@@ -44,7 +41,6 @@ class AgentStreams:
         """Events received (snapshots excepted) since `arm`."""
         self.failures = 0
         """Streams that failed (each opened again after a backoff)."""
-        self.last_failure = ""
         self._heard: dict[str, list[float]] = {}
 
     async def open(self, hosts: Sequence[tuple[str, int]], deadline: float) -> dict[str, Any]:
@@ -80,25 +76,21 @@ class AgentStreams:
         """One agent's stream, opened again after the agent's own backoff (`WATCH_RETRY`)
         whenever it fails, as `QuorumReporter.teardowns` does."""
         retries, live = Retries(WATCH_RETRY), False
-        while not self._closing:
-            stream = client.watch(replicas=(replica,) if self.mode == "filtered" else None)
-            self._streams.add(stream)
-            first = True
+        while True:
             try:
-                async for event in stream:
-                    if first:
+                async for event in client.watch(
+                    replicas=(replica,) if self.mode == "filtered" else None
+                ):
+                    if event.kind == "snapshot":
                         retries.succeeded()
                         self.live += not live
-                        live, first = True, False
-                        continue
-                    self.messages += 1
-                    if event.kind == "evicted" and event.replica_id == replica:
-                        self._heard.setdefault(replica, []).append(time.monotonic())
-            except QuorumError as exc:
+                        live = True
+                    else:
+                        self.messages += 1
+                        if event.kind == "evicted" and event.replica_id == replica:
+                            self._heard.setdefault(replica, []).append(time.monotonic())
+            except QuorumError:
                 self.failures += 1
-                self.last_failure = f"agent stream of {replica}: {exc}"
-            finally:
-                self._streams.discard(stream)
             await asyncio.sleep(retries.failed())
 
     def arm(self) -> None:
@@ -111,11 +103,10 @@ class AgentStreams:
         return list(self._heard.get(replica, ()))
 
     async def close(self) -> None:
-        self._closing = True
-        for stream in list(self._streams):
-            stream.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients:
+            await client.close()  # cancels its streams; the shared channel is closed below
         for channel in self._channels:
             await channel.close(None)

@@ -23,7 +23,6 @@ from fthsdp.protos import quorum_pb2 as qpb
 from fthsdp.protos.health_pb2 import ReportRequest, ReportResponse
 from fthsdp.services.common.process_ref import ProcessRef, process_start
 from fthsdp.services.common.tokens import Token
-from fthsdp.services.health import forward_pacing
 from fthsdp.services.health.agent import NodeAgent
 from fthsdp.services.health.client_codec import (
     NodeRank,
@@ -32,6 +31,7 @@ from fthsdp.services.health.client_codec import (
     batch_to_pb,
 )
 from fthsdp.services.health.config import HealthConfig
+from fthsdp.services.health.forward_pacing import CHANNEL_OPTIONS as FORWARD_CHANNEL_OPTIONS
 from fthsdp.services.health.forward_pacing import ForwardPacing, reached_busy_central
 from fthsdp.services.health.metrics import HealthMetrics
 from fthsdp.services.health.quorum_reporter import Outcome, QuorumReporter
@@ -399,7 +399,7 @@ async def forward_node_states(
     intervals if that is longer. `requests`: (encoded request, ranks in it) per agent."""
     metadata = (("authorization", Token(token).header()),)
     channels = [
-        grpc.aio.insecure_channel(central, options=[*forward_pacing.CHANNEL_OPTIONS, ("agent", i)])
+        grpc.aio.insecure_channel(central, options=[*FORWARD_CHANNEL_OPTIONS, ("agent", i)])
         for i in range(max(1, len(requests) // per_channel))
     ]
     calls = [

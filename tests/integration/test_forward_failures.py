@@ -1,6 +1,6 @@
 """How an agent reads a failed forward (`forward_pacing.reached_busy_central`), on real gRPC: a
 central that holds the call past its deadline is busy (back off long); no listener, a wrong
-token or a central stopping is not (retry within a few seconds)."""
+token or a stopped central is not (retry within a few seconds)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ async def test_a_wrong_token_is_not_busy(held: tuple[RecordingSink, IngestServer
     assert not busy and sink.entered == 0
 
 
-async def test_a_central_shutting_down_is_not_busy(
+async def test_a_stopped_central_is_not_busy(
     held: tuple[RecordingSink, IngestServer], token: str
 ) -> None:
     sink, server = held
