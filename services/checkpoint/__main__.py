@@ -18,7 +18,7 @@ from typing import Any
 
 from fthsdp.services.checkpoint.config import CheckpointConfig
 from fthsdp.services.checkpoint.server import CheckpointServer
-from fthsdp.services.common import logs
+from fthsdp.services.common import gc_tuning, logs
 from fthsdp.services.common.cli import add_log_format_flag
 from fthsdp.services.common.tokens import load_token
 
@@ -51,7 +51,7 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], Callable[[Any], Any], str]] =
         "complete durable steps kept (default 3)",
     ),
     ("--chunk-bytes", "chunk_bytes", int, int, "checksum chunk size in bytes (default 4 MiB)"),
-    ("--max-range-bytes", "max_range_bytes", int, int, "largest range per request, bytes (64 MiB)"),
+    ("--max-range-bytes", "max_range_bytes", int, int, "largest range per request (256 MiB)"),
     ("--max-body-bytes", "max_body_bytes", int, int, "largest request body, bytes (16 MiB)"),
     ("--checksum-threads", "checksum_threads", int, int, "threads computing checksums (default 2)"),
     (
@@ -149,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # an unsafe shm dir
         print(f"fthsdp-checkpoint: {exc}", file=sys.stderr)
         return 2
+    gc_tuning.settle()
     print(f"fthsdp-checkpoint listening on {url}", flush=True)
     try:
         while not stop.wait(3600):

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -55,9 +55,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 DEFAULT_MAX_BYTES = 1 << 40
 """Refuse manifests that claim more than this many bytes (1 TiB) before allocating anything."""
-DEFAULT_STRIPE_BYTES = 64 << 20
-"""Bytes per range request: the sidecar's default `max_range_bytes`. Fewer, longer requests keep
-each connection streaming (every request costs a round trip through the serving process)."""
+DEFAULT_STRIPE_BYTES = 256 << 20
+"""Bytes per range request at most: the sidecar's default `max_range_bytes`. Fewer, longer requests
+keep each connection streaming: every request costs a round trip through the serving process,
+whose event loop yields to training (niced), and measured 5 % of a 1 GB fetch at 64 MiB."""
 MAX_SOURCE_FAILURES = 2
 """Consecutive failed requests after which a source is considered dead for this fetch."""
 
@@ -114,10 +115,13 @@ class _Stripe:
 
 
 class _StripeFailed(Exception):
-    def __init__(self, verified: int, corrupt: bool, reason: str) -> None:
+    def __init__(
+        self, verified: int, corrupt: bool, reason: str, *, too_long: bool = False
+    ) -> None:
         super().__init__(reason)
         self.verified = verified
         self.corrupt = corrupt
+        self.too_long = too_long
 
 
 def fetch_snapshot(
@@ -504,6 +508,10 @@ class _StripedFetch:
             stat = self.stats[src]
             if failure is None:
                 stat._consecutive = 0
+            elif failure.too_long:  # a source with a lower `max_range_bytes`: ask for halves
+                half = (stripe.first + stripe.end) // 2
+                self.pending.appendleft(replace(stripe, first=half))
+                self.pending.appendleft(replace(stripe, end=half))
             else:
                 stat.failures += 1
                 stat._consecutive += 1
@@ -538,7 +546,10 @@ class _StripedFetch:
                 headers={"range": f"bytes={start}-{stop - 1}", "accept": "*/*"},
             )
             if resp.status != 206:
-                raise _StripeFailed(0, False, f"HTTP {resp.status}: {error_from_response(resp)}")
+                reason = f"HTTP {resp.status}: {error_from_response(resp)}"
+                # 416 for a range inside the object: longer than this source serves at once
+                too_long = resp.status == 416 and stripe.end - stripe.first > 1
+                raise _StripeFailed(0, False, reason, too_long=too_long)
             expected = f"bytes {start}-{stop - 1}/{total}"
             if resp.getheader("content-range") != expected:
                 raise _StripeFailed(0, False, f"wrong content-range, wanted {expected}")

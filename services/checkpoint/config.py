@@ -31,8 +31,9 @@ class CheckpointConfig:
     """Complete durable steps kept per job; older steps and stale partial ones are deleted."""
     chunk_bytes: int = 4 * MIB
     """Checksum chunk size; also the fetchers' stripe unit."""
-    max_range_bytes: int = 64 * MIB
-    """Largest byte range one data request may ask for."""
+    max_range_bytes: int = 256 * MIB
+    """Largest byte range one data request may ask for. Responses go out without a Python copy
+    (`zerocopy`) or in `stream_bytes` pieces, so this bounds a request's time, not memory."""
     max_body_bytes: int = 16 * MIB
     """Largest request body (a registration of many tensors), refused before it is read."""
     max_snapshot_bytes: int = 1 << 40

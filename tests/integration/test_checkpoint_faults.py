@@ -118,6 +118,25 @@ def test_a_flipped_byte_is_caught_and_fetched_elsewhere(sidecars: Start, token: 
     assert fetched.sources[0].bytes <= fetched.sources[0].failures * CHUNK
 
 
+def test_a_source_serving_shorter_ranges_than_asked_is_fetched_in_halves(
+    sidecars: Start, token: str
+) -> None:
+    """A sidecar whose `max_range_bytes` is below the fetcher's stripe answers 416: the stripe is
+    asked again in halves, not counted as the source failing (one source: it would be fatal)."""
+    state = make_state(scale=4)
+    short = sidecars(max_range_bytes=2 * CHUNK)
+    publish(short.url, short.config.shm_dir, token, "r0", 1, state)
+    fetched = fetch_snapshot(
+        [Source(short.url, "r0")], job=JOB, rank=0, step=1, token=token, deadline=DEADLINE,
+        stripe_bytes=16 * CHUNK, parallel=1,
+    )  # fmt: skip
+    assert_bitwise_equal(fetched.tensors, state)
+    (source,) = fetched.sources
+    assert (source.failures, source.dead) == (0, False)
+    chunks = -(-source.bytes // CHUNK)
+    assert source.requests > chunks // 2  # every 2-chunk range asked, plus the refused longer ones
+
+
 def test_truncated_responses_fall_back_or_fail_clearly(sidecars: Start, token: str) -> None:
     state = make_state(scale=4)
     a, b = sidecars(), sidecars()
