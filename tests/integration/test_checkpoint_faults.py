@@ -159,6 +159,36 @@ def test_truncated_responses_fall_back_or_fail_clearly(sidecars: Start, token: s
     assert fetched.sources[0].failures >= 1
 
 
+def test_a_source_going_silent_mid_body_times_out_and_is_fetched_elsewhere(
+    sidecars: Start, token: str
+) -> None:
+    """A source that stops sending mid-response fails its stripe after `request_timeout` (not
+    the whole fetch's deadline), named as a timeout, and another source serves the stripe."""
+    state = make_state(scale=4)
+    a, b = sidecars(), sidecars()
+    publish(a.url, a.config.shm_dir, token, "r0", 1, state)
+    publish(b.url, b.config.shm_dir, token, "r1", 1, state)
+    silent = Proxy(a.url, stall_after=CHUNK // 2 + 20_000)  # manifests pass, data bodies stall
+    try:
+        started = time.monotonic()
+        with pytest.raises(SourceUnavailableError, match=r"r0 .*TimeoutError"):
+            fetch_snapshot(
+                [Source(silent.url, "r0")], job=JOB, rank=0, step=1, token=token,
+                deadline=DEADLINE, request_timeout=timedelta(seconds=0.5),
+            )  # fmt: skip
+        assert time.monotonic() - started < DEADLINE.total_seconds() / 2
+        fetched = fetch_snapshot(
+            [Source(silent.url, "r0"), Source(b.url, "r1")], job=JOB, rank=0, step=1,
+            token=token, deadline=DEADLINE, stripe_bytes=CHUNK,
+            request_timeout=timedelta(seconds=0.5),
+        )  # fmt: skip
+    finally:
+        silent.close()
+    assert silent.stalls >= 1
+    assert_bitwise_equal(fetched.tensors, state)
+    assert "TimeoutError" in str(fetched.sources[0].last_error)
+
+
 def test_disagreeing_replicas_are_named(sidecars: Start, token: str) -> None:
     a, b = sidecars(), sidecars()
     publish(a.url, a.config.shm_dir, token, "r0", 1, make_state(seed=1))

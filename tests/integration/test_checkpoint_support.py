@@ -132,19 +132,24 @@ def spawn(tmp_path: Path, token: str) -> Iterator[Callable[..., SpawnedSidecar]]
 
 
 class Proxy:
-    """A TCP proxy to `upstream`: can cut each connection after `cut_after` downstream bytes, and
-    calls `on_total(total)` as downstream bytes flow (to kill the upstream mid-stream)."""
+    """A TCP proxy to `upstream`: can cut each connection after `cut_after` downstream bytes, or go
+    silent after `stall_after` (holding the connection open until `close`), and calls
+    `on_total(total)` as downstream bytes flow (to kill the upstream mid-stream)."""
 
     def __init__(
         self,
         upstream: str,
         *,
         cut_after: int | None = None,
+        stall_after: int | None = None,
         on_total: Callable[[int], None] | None = None,
     ) -> None:
         host, port = upstream.removeprefix("http://").rsplit(":", 1)
         self.upstream = (host, int(port))
         self.cut_after = cut_after
+        self.stall_after = stall_after
+        self.stalls = 0
+        self._released = threading.Event()
         self.on_total = on_total
         self.total = 0
         self.cuts = 0
@@ -181,6 +186,16 @@ class Proxy:
                     with self._lock:
                         self.cuts += 1
                     break
+                if (
+                    downstream
+                    and self.stall_after is not None
+                    and sent + len(data) > self.stall_after
+                ):
+                    dst.sendall(data[: self.stall_after - sent])
+                    with self._lock:
+                        self.stalls += 1
+                    self._released.wait()
+                    break
                 dst.sendall(data)
                 if downstream:
                     sent += len(data)
@@ -199,6 +214,7 @@ class Proxy:
 
     def close(self) -> None:
         self._closed = True
+        self._released.set()
         self._sock.close()
 
 
