@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ class AgentStreams:
         """Events received (snapshots excepted) since `arm`."""
         self.failures = 0
         """Streams that failed (each opened again after a backoff)."""
+        self.failure_reasons: Counter[str] = Counter()
+        """Those failures by error class and message."""
         self._heard: dict[str, list[float]] = {}
 
     async def open(self, hosts: Sequence[tuple[str, int]], deadline: float) -> dict[str, Any]:
@@ -70,6 +73,7 @@ class AgentStreams:
             "agent_streams_total": total,
             "agent_streams_live": self.live,
             "agent_stream_failures": self.failures,
+            "agent_stream_failure_reasons": dict(self.failure_reasons),
         }
 
     async def _follow(self, replica: str, client: AsyncQuorumClient) -> None:
@@ -89,8 +93,9 @@ class AgentStreams:
                         self.messages += 1
                         if event.kind == "evicted" and event.replica_id == replica:
                             self._heard.setdefault(replica, []).append(time.monotonic())
-            except QuorumError:
+            except QuorumError as exc:
                 self.failures += 1
+                self.failure_reasons[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
             await asyncio.sleep(retries.failed())
 
     def arm(self) -> None:

@@ -3,6 +3,7 @@ answered: pure functions of those answers (times are monotonic timestamps)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,9 @@ def setup_result(answers: Sequence[Any], shape: Shape, deadline_s: float) -> dic
     agents_live = sum(a.get("agent_streams_live", 0) for a in ok)
     agents_total = sum(a.get("agent_streams_total", 0) for a in ok)
     agent_failures = sum(a.get("agent_stream_failures", 0) for a in ok)
+    agent_reasons: Counter[str] = Counter()
+    for a in ok:
+        agent_reasons.update(a.get("agent_stream_failure_reasons", {}))
     joined = sum(a["joined"] for a in ok)
     join_errors = [e for a in ok for e in a["join_errors"]]
     incomplete = [f"setup: {e}" for e in _errors(answers)]
@@ -52,6 +56,7 @@ def setup_result(answers: Sequence[Any], shape: Shape, deadline_s: float) -> dic
         "agent_streams_live": agents_live,
         "agent_streams_total": agents_total,
         "agent_stream_failures": agent_failures,
+        "agent_stream_failure_reasons": dict(agent_reasons.most_common()),
         "setup_s": max((a["setup_s"] for a in ok), default=None),
         "incomplete": incomplete,
     }

@@ -68,6 +68,10 @@ def _setup(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
     agents = f"{st.get('agent_streams_live', 0):,} / {st.get('agent_streams_total', 0):,}"
     if st.get("agent_stream_failures"):
         agents += f" ({st['agent_stream_failures']:,} retried)"
+    reasons = [
+        f"    {n:,} x {why}"
+        for why, n in list(st.get("agent_stream_failure_reasons", {}).items())[:3]
+    ]
     return [
         "",
         f"{'setup':<{W}}{'done':>22}{'s':>9}",
@@ -75,6 +79,7 @@ def _setup(result: dict[str, Any], targets: dict[str, float]) -> list[str]:
         f"{'  leader Watch streams live (snapshot received)':<{W}}{live:>22}"
         f"{_f(st['setup_s'], '.1f'):>9}",
         f"{'  node agent Watch streams live':<{W}}{agents:>22}",
+        *reasons,
         f"  quorum service RSS with every stream open: {_mb(st.get('quorum_rss_bytes'))}",
     ]
 
