@@ -14,7 +14,8 @@ and sources: sender processes (as niced as the sidecars) answering each connecti
 `sendall` from the mapped file (a user-space copy: the issue's "raw TCP copy") or `sendfile` (the
 kernel-only ceiling), received with `recv_into` into one buffer; plus the single-stream copy that
 earlier runs compared against. CPU-seconds per GB count the receiving process (the bench) and the
-serving processes over each transfer.
+serving processes over each transfer; "of it CRC" is the fetch threads' time in the end-to-end
+checksum (`FetchedSnapshot.checksum_seconds`), the one pass a raw copy does not make.
 
 Last, the source's "training step" (a fixed matmul loop in this process) idle vs while a fetcher
 process pulls its snapshot. Prints a table and writes JSON (not a pass/fail test)."""
@@ -156,8 +157,8 @@ def snapshot_file(shm: Path, replica: str, step: int) -> Path:
     return path
 
 
-Row = tuple[str, int, int, Callable[[], None], list[int]]
-"""(name, connections, sources, transfer, serving pids)."""
+Row = tuple[str, int, int, Callable[[], float], list[int]]
+"""(name, connections, sources, transfer (returns its seconds checksumming), serving pids)."""
 
 
 def measure(rows: list[Row], repeats: int) -> dict[str, list[Sample]]:
@@ -190,6 +191,7 @@ def summarize(
             ),
             "client_cpu_s_per_gb": statistics.median(s.client_cpu / total * 1e9 for s in got),
             "server_cpu_s_per_gb": statistics.median(s.server_cpu / total * 1e9 for s in got),
+            "checksum_s_per_gb": statistics.median(s.checksum_s / total * 1e9 for s in got),
         }
         if name.startswith("fetch"):
             for mode in ("sendall", "sendfile"):
@@ -204,17 +206,18 @@ def summarize(
 def print_table(summary: list[dict[str, Any]]) -> None:
     print(
         f"{'transfer':<30}{'conns':>6}{'srcs':>5}{'GB/s':>7}{'CPU-s/GB':>10}"
-        f"{'(client+server)':>17}{'vs sendall':>12}{'vs sendfile':>12}"
+        f"{'(client+server)':>17}{'of it CRC':>10}{'vs sendall':>12}{'vs sendfile':>12}"
     )
     for e in summary:
         split = f"{e['client_cpu_s_per_gb']:.2f}+{e['server_cpu_s_per_gb']:.2f}"
+        crc = f"{e['checksum_s_per_gb']:.3f}" if e["checksum_s_per_gb"] else ""
         ratios = "".join(
             f"{e[k]:>12.2f}" if k in e else f"{'':>12}"
             for k in ("ratio_vs_raw_sendall", "ratio_vs_raw_sendfile")
         )
         print(
             f"{e['name']:<30}{e['connections']:>6}{e['sources']:>5}{e['gbps']:>7.2f}"
-            f"{e['cpu_s_per_gb']:>10.2f}{split:>17}{ratios}"
+            f"{e['cpu_s_per_gb']:>10.2f}{split:>17}{crc:>10}{ratios}"
         )
 
 
@@ -265,17 +268,21 @@ def main(argv: list[str] | None = None) -> int:
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         sources = [Source(u, f"r{i}") for i, u in enumerate(urls)]
 
-        def fetch(n: int) -> Callable[[], None]:
-            def run() -> None:
-                fetch_snapshot(
+        def fetch(n: int) -> Callable[[], float]:
+            def run() -> float:
+                return fetch_snapshot(
                     sources[:n], job=JOB, rank=0, step=step, token=token, into=into,
                     deadline=timedelta(minutes=5), parallel=args.parallel,
-                )  # fmt: skip
+                ).checksum_seconds  # fmt: skip
 
             return run
 
-        def raw(sender: RawSenders, n: int, conns: int) -> Callable[[], None]:
-            return lambda: sender.copy(view, n, conns)
+        def raw(sender: RawSenders, n: int, conns: int) -> Callable[[], float]:
+            def run() -> float:
+                sender.copy(view, n, conns)
+                return 0.0
+
+            return run
 
         rows: list[Row] = []
         for n in (1, 3):

@@ -65,6 +65,8 @@ class Sample:
     seconds: float
     client_cpu: float
     server_cpu: float
+    checksum_s: float = 0.0
+    """Of the client's time, spent checksumming (what `transfer` returned)."""
 
 
 class CpuMeter:
@@ -73,13 +75,15 @@ class CpuMeter:
     def __init__(self, servers: Sequence[int]) -> None:
         self.servers = list(servers)
 
-    def run(self, transfer: Callable[[], object]) -> Sample:
+    def run(self, transfer: Callable[[], float]) -> Sample:
+        """Times `transfer`, which returns the seconds it spent checksumming (0: none)."""
         server0 = sum(process_cpu(p) for p in self.servers)
         client0, start = self_cpu(), time.perf_counter()
-        transfer()
+        checksum_s = transfer()
         seconds = time.perf_counter() - start
         client = self_cpu() - client0
-        return Sample(seconds, client, sum(process_cpu(p) for p in self.servers) - server0)
+        server = sum(process_cpu(p) for p in self.servers) - server0
+        return Sample(seconds, client, server, checksum_s)
 
 
 class RawSenders:

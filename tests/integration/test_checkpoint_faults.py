@@ -135,6 +135,7 @@ def test_a_source_serving_shorter_ranges_than_asked_is_fetched_in_halves(
     assert (source.failures, source.dead) == (0, False)
     chunks = -(-source.bytes // CHUNK)
     assert source.requests > chunks // 2  # every 2-chunk range asked, plus the refused longer ones
+    assert 0 < fetched.checksum_seconds < fetched.seconds  # one fetch thread, every chunk checked
 
 
 def test_truncated_responses_fall_back_or_fail_clearly(sidecars: Start, token: str) -> None:
