@@ -68,9 +68,10 @@ class PeerState:
             # An earlier attempt of this process registered this step and its answer was lost:
             # the same bytes (earlier processes' snapshots were dropped at start).
             pass
-        except (CheckpointError, TimeoutError) as exc:
+        except (CheckpointError, OSError) as exc:
             # Serving is best effort: the recovering peer's fetch fails and it retries on the
-            # next quorum, while this healthy replica trains on (I4).
+            # next quorum, while this healthy replica trains on (I4). OSError: the sidecar did
+            # not answer in time, or the host's shared memory is full (ENOSPC).
             log.warning("snapshot of step %d not published: %s", step, exc)
             return
         self._published = step

@@ -1,12 +1,13 @@
 """Publishing one rank's state to its host's sidecar: one copy into a reused shared-memory segment.
 
-A fresh tmpfs file costs the kernel a zero-fill of every page (0.7–2.7 s per GB measured here,
-more than the copy itself), so the publisher keeps its segments and their writable mappings across
-steps. The sidecar hands a segment back when retention retires its snapshot and no reader still
-uses it (`snapshots`: the file is renamed to `<name>.free`); the next `publish` claims it by giving
-it a new name and overwrites it. A segment is written only while the sidecar does not serve it:
-before registration, or after it was handed back. So a reader never sees a half-written snapshot,
-and a publisher that dies mid-copy leaves an unregistered file nobody serves.
+A fresh tmpfs file costs the kernel a zero-fill of every page (1 GiB published into a fresh
+segment: 0.5 s here, into a reused one: 0.09 s; see `_allocate`), so the publisher keeps its
+segments and their writable mappings across steps. The sidecar hands a segment back when retention
+retires its snapshot and no reader still uses it (`snapshots`: the file is renamed to
+`<name>.free`); the next `publish` claims it by giving it a new name and overwrites it. A segment
+is written only while the sidecar does not serve it: before registration, or after it was handed
+back. So a reader never sees a half-written snapshot, and a publisher that dies mid-copy leaves an
+unregistered file nobody serves.
 
 With retention R the steady state is R + 1 segments: R served, one being written. A segment the
 sidecar dropped instead (`forget`, its stop, a registration whose answer was lost) is never
@@ -14,6 +15,7 @@ written again: the publisher unmaps it when it notices."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -200,11 +202,10 @@ class SnapshotPublisher:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
+            if size:
+                _allocate(fd, size)
             info = os.fstat(fd)
-            # MAP_POPULATE faults every page in up front, in the kernel: 2-3x faster than
-            # first-touch faults during the copy (measured 0.38 s → 0.14 s for 250 MB on tmpfs).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapped = mmap.mmap(fd, size, flags=flags) if size else None
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED) if size else None
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -242,6 +243,25 @@ def _dtype_name(name: str, tensor: torch.Tensor) -> str:
     if dtype is None:
         raise InvalidArgumentError(f"tensor {name!r} has dtype {tensor.dtype}, not allowed")
     return dtype
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Allocates the file's pages before it is mapped, without the GIL.
+
+    Two reasons. A full tmpfs then fails here with ENOSPC, an OSError the caller can handle,
+    instead of killing the process with SIGBUS when the copy touches a page that cannot be had.
+    And the pages exist before the copy faults them in: allocating them is the slow part of a
+    fresh segment (zeroing every page), and `posix_fallocate` does it with the GIL released.
+    `mmap(MAP_POPULATE)` did it holding the GIL: 0.76 s for 1 GiB here, long enough on a busy
+    host for the rank's heartbeat thread to miss its deadline and the health service to tear a
+    healthy replica down. With the pages allocated, the copy's faults only map them (1 GiB:
+    0.66 s created and copied, against 0.83 s with MAP_POPULATE)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise  # ENOSPC above all
+        # A file system without fallocate: the copy's first touch allocates each page.
 
 
 def _copy_into(mapped: mmap.mmap, layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
