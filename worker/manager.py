@@ -48,7 +48,7 @@ from fthsdp.worker.position_records import PositionRecords
 from fthsdp.worker.quorum_link import QuorumLink, await_replicas
 from fthsdp.worker.replica_group import ReplicaGroup
 from fthsdp.worker.ring_watch import RingWatch, exit_for_restart
-from fthsdp.worker.state import ReplicatedState, Stateful, fingerprint
+from fthsdp.worker.state import ReplicatedState, Stateful, fingerprint, state_digest
 from fthsdp.worker.step import (
     WAITING_PHASES,
     AgreedStep,
@@ -466,7 +466,7 @@ class Manager:
                 committed,
                 cost,
                 quorum_id=plan.quorum_id,
-                digest=lambda: fingerprint(state.core_tensors()),
+                digest=lambda: state_digest(state.core_tensors()),
             )
         if self.metrics is not None:
             self.metrics.committed(

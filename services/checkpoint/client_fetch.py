@@ -37,7 +37,7 @@ from fthsdp.services.checkpoint.client_http import (
     error_from_response,
 )
 from fthsdp.services.checkpoint.client_manifest import Manifest, check_id, check_rank, check_step
-from fthsdp.services.checkpoint.crc import crc32
+from fthsdp.services.common.crc import crc32
 from fthsdp.services.common.tokens import Token
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fthsdp.services.checkpoint.client_errors import InvalidArgumentError
-from fthsdp.services.checkpoint.crc import crc32
+from fthsdp.services.common.crc import crc32
 from fthsdp.services.common.parse import MAX_STEP
 
 FORMAT = "fthsdp.checkpoint.v1"

@@ -33,7 +33,7 @@ from fthsdp.services.checkpoint.core import (
     rank_dir_name,
     step_dir_name,
 )
-from fthsdp.services.checkpoint.crc import crc32
+from fthsdp.services.common.crc import crc32
 
 log = logging.getLogger(__name__)
 

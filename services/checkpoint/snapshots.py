@@ -49,7 +49,7 @@ from fthsdp.services.checkpoint.client_manifest import (
 )
 from fthsdp.services.checkpoint.config import CheckpointConfig
 from fthsdp.services.checkpoint.core import steps_to_collect
-from fthsdp.services.checkpoint.crc import crc32
+from fthsdp.services.common.crc import crc32
 
 log = logging.getLogger(__name__)
 
