@@ -118,6 +118,11 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="DataLoader worker processes per rank (default 0: load in the rank itself)",
     )  # fmt: skip
     p.add_argument(
+        "--state-pad-mb", type=int, default=0,
+        help="MiB of constant bytes each rank adds to its replicated state, so snapshots and "
+        "catch-up fetches move as much as a larger model's would (default 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--seq-len-mix", choices=SEQ_LEN_MIXES, default="uniform",
         help="document lengths: uniform (one 64-token window per sample, default); phases "
         "(512-token samples packed from short, then long documents, alternating every 20 "
@@ -216,6 +221,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         fsdp=args.fsdp,
         overlap_backward=args.overlap_backward,
         loader_workers=args.loader_workers,
+        state_pad_mb=args.state_pad_mb,
         seq_len_mix=args.seq_len_mix,
         redis=args.redis,
         health=not args.no_health,

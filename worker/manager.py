@@ -299,7 +299,7 @@ class Manager:
         """Exchanges the gradient and votes until the replica agrees (see `should_commit`),
         then writes the averaged gradient into `.grad`."""
         began = time.monotonic()
-        seconds = {phase: 0.0 for phase in (*WAITING_PHASES, "commit")}
+        seconds = {phase: 0.0 for phase in (*WAITING_PHASES, "serve", "commit")}
         overlap, self._overlap = self._overlap, None
         if overlap is None:
             self.start_step()
@@ -313,6 +313,7 @@ class Manager:
                     self._exchange.capture_bucket(index)
             seconds["quorum"] += overlap.quorum_s
             seconds["ring"] += overlap.ring_s
+            seconds["serve"] += overlap.serve_s
         for attempt in range(1, self.config.max_failed_commits + 1):
             if attempt == 1 and overlap is not None:
                 assert overlap.plan is not None  # else the hooks kept an error, raised above
@@ -366,7 +367,7 @@ class Manager:
             fetch = self._executor.submit(self._fetch, plan, self._fetch_cancel, sources_in)
             self._faults.hit("fetch", self.step)
         elif overlap is None:  # with overlap, the hooks served before launching the exchange
-            self._serve(plan)
+            seconds["serve"] += self._serve(plan)
         # Before t0: a straggler's lateness is its own time, not waiting on others (the
         # fail-slow detector subtracts the exchange phase as waiting).
         self._faults.slow(self.step)
@@ -525,7 +526,7 @@ class Manager:
         if overlap.ring_error is not None:
             return
         if self.step >= plan.max_step:
-            self._serve(plan)
+            overlap.serve_s = self._serve(plan)
         self._exchange.begin(
             self._ring,
             contribute=self.step >= plan.max_step,
@@ -534,15 +535,18 @@ class Manager:
         )
         overlap.launching = True
 
-    def _serve(self, plan: StepPlan) -> None:
+    def _serve(self, plan: StepPlan) -> float:
         """A healthy rank publishes its state for the plan's recovering peers (or a durable
         checkpoint) before it enters the exchange, whatever the mode: a peer whose exchange
-        completed knows every source's publish is behind it."""
-        if plan.serve or durable_due(self.config, self.step, plan):
-            self._peer_state.publish(
-                self.step, self._state.tensors(), state_meta(self.step, self.positions)
-            )
-            self._faults.hit("serve", self.step)
+        completed knows every source's publish is behind it. Returns the seconds it took."""
+        if not (plan.serve or durable_due(self.config, self.step, plan)):
+            return 0.0
+        t0 = time.monotonic()
+        self._peer_state.publish(
+            self.step, self._state.tensors(), state_meta(self.step, self.positions)
+        )
+        self._faults.hit("serve", self.step)
+        return time.monotonic() - t0
 
     def _fetch(
         self, plan: StepPlan, cancelled: threading.Event, sources_in: threading.Event

@@ -37,8 +37,9 @@ class StepOutcome:
     attempts: int
     """Exchanges tried (1 unless a peer failed mid-exchange)."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of the phases: quorum, ring (rebuilding it for a new quorum), exchange, fetch,
-    commit."""
+    """Wall time of the phases: quorum, ring (rebuilding it for a new quorum), serve (publishing
+    this rank's snapshot for recovering peers or a durable checkpoint; 0 when it published
+    none), exchange, fetch, vote, commit."""
     without_control_plane: bool = False
     """Committed on the previous quorum while the quorum service was unreachable."""
 
@@ -53,6 +54,7 @@ class OverlapState:
     plan: StepPlan | None = None
     quorum_s: float = 0.0
     ring_s: float = 0.0
+    serve_s: float = 0.0
     ring_error: RecoverableFtarError | None = None
     launching: bool = False
     """The attempt has begun on the ring: captured buckets go out in bucket order."""

@@ -31,7 +31,7 @@ from fthsdp.deploy.demo.events import (
     QuorumEvent,
     RunEvent,
 )
-from fthsdp.deploy.demo.mixes import SEQ_LEN_MIXES
+from fthsdp.deploy.demo.mixes import MAX_STATE_PAD_MB, SEQ_LEN_MIXES
 from fthsdp.deploy.demo.supervisor import KILL_MODES, ReplicaCommand, ReplicaSupervisor
 from fthsdp.deploy.netns_demo import HOSTS, NETNS_KILL_MODES, NetnsHosts
 from fthsdp.deploy.service_commands import log_flags
@@ -101,6 +101,9 @@ class DemoConfig:
     """Exchange gradient buckets across replicas while backward still runs (not with `fsdp`)."""
     loader_workers: int = 0
     """DataLoader worker processes per rank (0: load in the rank itself)."""
+    state_pad_mb: int = 0
+    """MiB of constant bytes each rank adds to its replicated state (`ballast`), so snapshots
+    and catch-up fetches move as much as a larger model's would; 0 adds none."""
     seq_len_mix: str = "uniform"
     """Document lengths of the samples (`corpus.SEQ_LEN_MIXES`): uniform (one window each),
     phases (packed short and long documents, alternating) or random (packed, mixed)."""
@@ -158,6 +161,8 @@ class DemoConfig:
             raise ValueError(f"failslow_policy must be one of {FAILSLOW_POLICIES}")
         if not 0 <= self.loader_workers <= 64:
             raise ValueError("loader_workers must be in 0..64")
+        if not 0 <= self.state_pad_mb <= MAX_STATE_PAD_MB:
+            raise ValueError(f"state_pad_mb must be in 0..{MAX_STATE_PAD_MB}")
         if self.seq_len_mix not in SEQ_LEN_MIXES:
             raise ValueError(f"seq_len_mix must be one of {SEQ_LEN_MIXES}")
         if self.fsdp and self.overlap_backward:
@@ -362,6 +367,7 @@ def _run(
                 *(("--fsdp",) if config.fsdp else ()),
                 *(("--overlap-backward",) if config.overlap_backward else ()),
                 "--loader-workers", str(config.loader_workers),
+                "--state-pad-mb", str(config.state_pad_mb),
                 "--seq-len-mix", config.seq_len_mix,
                 *config.log_flags,
             ),

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
+from fthsdp.deploy.demo import ballast
 from fthsdp.deploy.demo.corpus import CharWindows, demo_dataset
 from fthsdp.deploy.demo.events import CommitEvent, EventLog, FinalEvent, StartEvent
-from fthsdp.deploy.demo.mixes import SEQ_LEN_MIXES
+from fthsdp.deploy.demo.mixes import MAX_STATE_PAD_MB, SEQ_LEN_MIXES
 from fthsdp.deploy.demo.model import TinyGPTConfig, build_model
 from fthsdp.services.common.cli import add_logging_flags, setup_logging
 from fthsdp.services.common.private_dir import default_shm_dir
@@ -101,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-steps", type=int, default=1_000_000, help="hard cap on steps")
     p.add_argument(
+        "--state-pad-mb", type=int, default=0,
+        help=f"MiB of constant bytes added to this rank's replicated state (0..{MAX_STATE_PAD_MB}),"
+        " so snapshots and catch-up fetches move as much as a larger model's would (default 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--await-replicas-s", type=float, default=0.0,
         help="at the job's first launch: the leader waits up to this long for every replica "
         "to register before the first step (0: start at once)",
@@ -164,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ]
     if missing and not args.spare:
         p.error(f"the following arguments are required: {', '.join(missing)}")
+    if not 0 <= args.state_pad_mb <= MAX_STATE_PAD_MB:
+        p.error(f"--state-pad-mb must be in 0..{MAX_STATE_PAD_MB}")
     return args
 
 
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         init_method=args.init_method or "",
         timeout=timedelta(seconds=60),
     )
+    if args.state_pad_mb:
+        ballast.add_ballast(model, args.state_pad_mb)
     if args.fsdp:
         shard_replica(model, group)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

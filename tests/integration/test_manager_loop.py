@@ -166,7 +166,9 @@ def test_user_state_travels_with_catch_up_and_replicas_end_identical(tmp_path: P
             if replica_id == "r1":
                 ready.set()  # joined the service: r0's next quorum waits for it
             optimizer = OptimizerWrapper(manager)
-            recovered = []
+            recovered: list[bool] = []
+            served: list[int] = []
+            steps: list[int] = []
             try:
                 while manager.step < stop_at:
                     if replica_id == "r0" and manager.step == 3 and not joined.is_set():
@@ -175,8 +177,12 @@ def test_user_state_travels_with_catch_up_and_replicas_end_identical(tmp_path: P
                     _train_step(manager, optimizer, index)
                     scheduler.step()
                     tracker.update(manager.step)
-                    assert manager.last_outcome is not None
-                    recovered.append(manager.last_outcome.recovered)
+                    outcome = manager.last_outcome
+                    assert outcome is not None
+                    recovered.append(outcome.recovered)
+                    if outcome.seconds["serve"] > 0:  # published a snapshot for a peer
+                        served.append(outcome.step)
+                    steps.append(outcome.step)
                 fingerprint = manager.fingerprint()
             finally:
                 manager.shutdown()
@@ -186,10 +192,14 @@ def test_user_state_travels_with_catch_up_and_replicas_end_identical(tmp_path: P
                 "lr": inner.param_groups[0]["lr"],
                 "tracker": tracker.state_dict(),
                 "recovered": recovered,
+                "served": served,
+                "steps": steps,
             }
 
         r0, r1 = run_replicas(lambda: replica("r0", 0), lambda: replica("r1", 1))
     assert r1["recovered"][0] is True and not any(r0["recovered"])
+    # The step r1 caught up in is the one r0 published its snapshot for, and no other.
+    assert r0["served"] == [r1["steps"][0]] and r1["served"] == []
     assert r0["fingerprint"] == r1["fingerprint"]
     assert r0["scheduler"] == r1["scheduler"]
     assert r0["lr"] == r1["lr"] == pytest.approx(0.05 * 0.5**4)
