@@ -30,6 +30,13 @@ _FLAGS: tuple[Flag, ...] = (
     ("admin-port", "admin_port", int, "HTTP port for /metrics /livez /readyz, 0 = any, -1 = off"),
     ("min-replicas", "min_replicas", int, "smallest quorum (default 1)"),
     ("join-timeout-ms", "join_timeout", int, "wait for live stragglers, ms (default 2000)"),
+    (
+        "catchup-timeout-ms",
+        "catchup_timeout",
+        int,
+        "wait for a replica catching up again after its last catch-up outlasted the join "
+        "timeout, ms (default 60000)",
+    ),
     ("heartbeat-timeout-ms", "heartbeat_timeout", int, "evict after silence, ms (default 1000)"),
     ("history-size", "history_size", int, "recent quorums kept for Status (default 128)"),
     ("shutdown-grace-ms", "shutdown_grace", int, "drain time on stop, ms (default 5000)"),
@@ -59,6 +66,7 @@ _FLAGS: tuple[Flag, ...] = (
 )
 _MILLISECONDS = {
     "join_timeout",
+    "catchup_timeout",
     "heartbeat_timeout",
     "shutdown_grace",
     "lease_ttl",

@@ -27,6 +27,14 @@ class QuorumConfig:
     waiting. It bounds how long healthy replicas wait on a straggler or a (re)joining replica (I4);
     it never applies while the fast path holds (every member of the previous quorum asked).
     2 s: longer than a normal step skew, far below the collective timeouts it replaces."""
+    catchup_timeout: timedelta = timedelta(seconds=60)
+    """How long a round waits instead for a replica catching up from its peers once it already
+    missed a round that way: its last catch-up (fetch and load) outlasted the join timeout, the
+    round went on without it, and it fell behind again. Waiting only the join timeout again
+    would leave it catching up forever, each attempt costing the healthy replicas a snapshot
+    publish and a join timeout; waiting for it once lets it rejoin. It bounds that one wait (a
+    catch-up that slow is a state of tens of GB per rank on a slow link). Soft state: after a
+    failover the new leader learns it again from one more missed round."""
     heartbeat_timeout: timedelta = timedelta(seconds=1)
     """A replica not heard from for this long (no heartbeat, no call, not waiting in a round) is
     evicted. 1 s meets the detection target (failure -> new quorum <= 1 s after the last sign of
@@ -68,7 +76,7 @@ class QuorumConfig:
             raise ValueError(f"admin_port must be in 0..{MAX_PORT}, got {self.admin_port}")
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
-        for name in ("join_timeout", "heartbeat_timeout"):
+        for name in ("join_timeout", "catchup_timeout", "heartbeat_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
         if self.shutdown_grace < timedelta(0):

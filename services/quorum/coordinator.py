@@ -351,7 +351,19 @@ class Coordinator:
         )
         waiters = [self._waiters.pop(a.replica_id) for a in formation.participants]
         new_epoch = formation.record.quorum_id != self._state.last_quorum_id
+        slow_before = self._state.slow_catchup
         self._state.apply(formation, now)
+        for rid in sorted(self._state.slow_catchup - slow_before):
+            log.warning(
+                "replica %s is catching up again: its last catch-up outlasted the join timeout "
+                "(%.1f s) and the round went on without it; the next round waits for it up to "
+                "the catch-up timeout (%.0f s). A state this slow to fetch and load wants a "
+                "longer --join-timeout-ms",
+                rid,
+                self._config.join_timeout.total_seconds(),
+                self._config.catchup_timeout.total_seconds(),
+                extra={"replica_id": rid},
+            )
         self._cancel_timer()
         tally = Tally(formation.record.round, now, len(waiters))
         for waiter in waiters:

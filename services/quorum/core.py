@@ -235,12 +235,14 @@ class CoreState:
         "last_step",
         "member_bytes",
         "membership_bytes",
+        "missed_catchup",
         "newcomers",
         "not_waiting",
         "previous",
         "registered",
         "round_started",
         "rounds",
+        "slow_catchup",
         "waiting",
     )
 
@@ -269,6 +271,12 @@ class CoreState:
         self.last_quorum_id = max(last.quorum_id if last else 0, epoch_floor)
         self.rounds = last.round if last else 0
         self.round_started: float | None = None
+        self.missed_catchup: set[str] = set()
+        """Replicas that were catching up in a quorum and not in the next one: their catch-up
+        outlasted the join timeout. Forgotten once they are healthy in a quorum."""
+        self.slow_catchup: set[str] = set()
+        """Those of them catching up again in `previous`: the round waits up to the catch-up
+        timeout for them (`decide`)."""
 
     # -- membership --
 
@@ -298,6 +306,8 @@ class CoreState:
         self.drop_ask(replica_id)
         self.not_waiting.discard(replica_id)
         self.newcomers.discard(replica_id)
+        self.missed_catchup.discard(replica_id)
+        self.slow_catchup.discard(replica_id)
         self.last_seen.pop(replica_id, None)
         self.last_ask.pop(replica_id, None)
         self.ask_gap.pop(replica_id, None)
@@ -396,6 +406,7 @@ class CoreState:
     def apply(self, formation: Formation, now: float) -> None:
         """Records a formed round and starts the next, empty one."""
         record = formation.record
+        self._note_catchups(self.previous, record)
         self.previous = record
         self.last_quorum_id = record.quorum_id
         self.rounds = record.round
@@ -410,6 +421,21 @@ class CoreState:
             if (reg := self.registered.get(rid)) is not None and reg.incarnation == incarnation
         }
         self.expected_waiting = 0
+
+    def _note_catchups(self, old: QuorumRecord | None, new: QuorumRecord) -> None:
+        """Which replicas' catch-ups outlast the join timeout (`missed_catchup`, `slow_catchup`)."""
+        healthy = set(new.healthy)
+        if old is not None:
+            members = {rid for rid, _ in new.members}
+            for rid, incarnation in old.members:
+                reg = self.registered.get(rid)
+                missed = rid not in old.healthy and rid not in members
+                if missed and reg is not None and reg.incarnation == incarnation:
+                    self.missed_catchup.add(rid)
+        self.missed_catchup -= healthy
+        self.slow_catchup = {
+            rid for rid, _ in new.members if rid not in healthy and rid in self.missed_catchup
+        }
 
     def counts(self, replica_id: str) -> bool:
         """Whether a round waits for this registered replica and counts it among the live ones.
@@ -441,7 +467,9 @@ def decide(now: float, state: CoreState, config: QuorumConfig) -> tuple[Decision
     live replica is waiting -> form. The join timeout (counted from the round's first ask) has
     passed -> form with whoever waits. Otherwise wait for the stragglers until the join timeout
     or until one of them expires. A restarting newcomer that has not asked yet is neither waited
-    for nor counted as live (`CoreState.counts`)."""
+    for nor counted as live (`CoreState.counts`). A replica catching up again after its last
+    catch-up missed a round (`CoreState.slow_catchup`) is waited for until the catch-up timeout
+    instead of the join timeout, so it rejoins rather than falling behind forever."""
     asked = len(state.waiting)
     if asked == 0 or state.round_started is None:
         return Decision(form=False), "no replica is waiting"
@@ -477,13 +505,39 @@ def decide(now: float, state: CoreState, config: QuorumConfig) -> tuple[Decision
     if not stragglers:
         return Decision(form=True, path="all_asked"), f"all {asked} live replicas asked"
     if now >= join_deadline:
-        return Decision(form=True, path="join_timeout"), (
-            f"join timeout: forming with {asked} of {live} live replicas"
+        slow = _slow_catchup_waited(now, state, config, hb)
+        if slow is None:
+            return Decision(form=True, path="join_timeout"), (
+                f"join timeout: forming with {asked} of {live} live replicas"
+            )
+        rid, deadline = slow
+        wake = deadline if next_expiry is None else min(deadline, next_expiry)
+        return Decision(form=False, wake_at=wake), (
+            f"{asked} of {live} live replicas asked; waiting for {rid}, catching up again after "
+            "its last catch-up outlasted the join timeout, until the catch-up timeout"
         )
     wake = join_deadline if next_expiry is None else min(join_deadline, next_expiry)
     return Decision(form=False, wake_at=wake), (
         f"{asked} of {live} live replicas asked; waiting for stragglers until the join timeout"
     )
+
+
+def _slow_catchup_waited(
+    now: float, state: CoreState, config: QuorumConfig, hb: float
+) -> tuple[str, float] | None:
+    """A live straggler of `slow_catchup` whose catch-up deadline has not passed, and that
+    deadline (None when there is none: the common case, an empty set)."""
+    if not state.slow_catchup or state.round_started is None:
+        return None
+    deadline = (
+        state.round_started + max(config.join_timeout, config.catchup_timeout).total_seconds()
+    )
+    if now >= deadline:
+        return None
+    for rid in sorted(state.slow_catchup & state.not_waiting):
+        if now - state.seen(rid, now) < hb and state.counts(rid):
+            return rid, deadline
+    return None
 
 
 def expired(now: float, state: CoreState, config: QuorumConfig) -> tuple[list[str], float | None]:

@@ -12,6 +12,7 @@ from fthsdp.services.quorum.config import QuorumConfig
 from fthsdp.services.quorum.core import (
     Ask,
     CoreState,
+    Decision,
     Formation,
     Registration,
     check_id,
@@ -408,3 +409,74 @@ def test_validation_rejects_bad_input() -> None:
         check_ranks(1, [RankEndpoint(ftar="h:" + "1" * 300, checkpoint="http://h:1")])
     with pytest.raises(InvalidRequestError, match="checkpoint"):
         check_ranks(1, [RankEndpoint(ftar="h:1", checkpoint="ftp://h")])
+
+
+CATCHUP = 10.0
+CATCHUP_CONFIG = QuorumConfig(
+    port=0,
+    admin_port=None,
+    join_timeout=timedelta(seconds=JOIN),
+    catchup_timeout=timedelta(seconds=CATCHUP),
+    heartbeat_timeout=timedelta(seconds=HB),
+)
+
+
+def _round_without(state: CoreState, late: str, start: float, step: int) -> Decision:
+    """a and b ask at `start`; `late` beats on without asking until the round decides to form."""
+    ask(state, "a", start, step=step)
+    ask(state, "b", start, step=step)
+    t = start
+    while True:
+        state.touch(late, t)
+        decision, reason = decide(t, state, CATCHUP_CONFIG)
+        if decision.form:
+            return decision
+        assert decision.wake_at is not None, reason
+        t = min(decision.wake_at, t + 0.5)
+
+
+def test_a_catch_up_that_outlasted_the_join_timeout_is_waited_for_the_next_time() -> None:
+    """c catches up (behind a and b), misses the next round (its fetch and load outlast the join
+    timeout), and catches up again: that round waits for it past the join timeout, up to the
+    catch-up timeout, so it rejoins instead of falling behind forever."""
+    state = steady(["a", "b", "c"])
+    ask(state, "a", 1.0, step=10)
+    ask(state, "b", 1.0, step=10)
+    ask(state, "c", 1.0, step=3)  # behind: it catches up in quorum 2
+    assert form_now(state, 1.0).quorum.max_step == 10 and not state.slow_catchup
+    first = _round_without(state, "c", 2.0, step=11)
+    assert first.path == "join_timeout"  # the first miss costs the join timeout, as always
+    formation = form_now(state, 2.0 + JOIN)
+    assert members(formation) == ["a", "b"] and state.missed_catchup == {"c"}
+    ask(state, "a", 5.0, step=12)
+    ask(state, "b", 5.0, step=12)
+    ask(state, "c", 5.0, step=11)  # behind again: catching up once more
+    form_now(state, 5.0)
+    assert state.slow_catchup == {"c"}
+    ask(state, "a", 6.0, step=13)
+    ask(state, "b", 6.0, step=13)
+    state.touch("c", 6.0 + JOIN)
+    decision, reason = decide(6.0 + JOIN, state, CATCHUP_CONFIG)
+    assert not decision.form and "catching up again" in reason
+    assert decision.wake_at == pytest.approx(min(6.0 + CATCHUP, 6.0 + JOIN + HB))
+    ask(state, "c", 6.0 + JOIN + 0.5, step=13)  # its catch-up took 2.5 s: it rejoins
+    decision, reason = decide(6.0 + JOIN + 0.5, state, CATCHUP_CONFIG)
+    assert decision.form, reason
+    formation = form_now(state, 6.0 + JOIN + 0.5)
+    assert formation.record.healthy == ("a", "b", "c")
+    assert not state.missed_catchup and not state.slow_catchup  # forgotten once healthy
+
+
+def test_the_wait_for_a_slow_catch_up_is_bounded_by_the_catch_up_timeout() -> None:
+    state = steady(["a", "b", "c"])
+    for t, steps in ((1.0, (10, 10, 3)), (5.0, (12, 12, 11))):
+        for rid, step in zip("abc", steps, strict=True):
+            ask(state, rid, t, step=step)
+        form_now(state, t)
+        if t == 1.0:  # c misses the round after its first catch-up
+            _round_without(state, "c", 2.0, step=11)
+            form_now(state, 2.0 + JOIN)
+    assert state.slow_catchup == {"c"}
+    decision = _round_without(state, "c", 6.0, step=13)  # c never asks, yet keeps beating
+    assert decision.path == "join_timeout"
+    assert members(form_now(state, 6.0 + CATCHUP)) == ["a", "b"]
