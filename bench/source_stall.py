@@ -6,24 +6,25 @@
 Runs the demo job twice with the same failure schedule (whole replicas SIGKILLed, restarted, and
 caught up from their peers): once with `--state-pad-mb N` (N MiB more state per rank, so every
 snapshot and catch-up fetch moves that much) and once with the demo's own few hundred kilobytes.
-From the replicas' commit records (`deploy.demo.events`) it reads, per rejoin (a replica's step
-committed as `recovered`):
+From the replicas' commit records (`deploy.demo.events`) it reads, per catch-up (a replica's
+step committed as `recovered`; a rejoin is the catch-up after which the replica stayed):
 
 - `publish_s`: each source's time publishing its snapshot in that step (the step's `serve`
   phase), on its training thread before it enters the exchange;
 - `next_quorum_s`: each source's wait for the next step's quorum, where the round waits (up to
   the join timeout) for the recovering replica still fetching and loading;
-- `lost_s`: the time the rejoin cost each source, from the serve step to the one after the next
+- `lost_s`: the time the catch-up cost each source, from the serve step to the one after the next
   quorum: the sum of their commit intervals above the source's median interval;
 - `fetch_s` / `load_s`: the recovering replica's wait for the rest of the fetch after its own
   exchange, and its load of the fetched state;
-- `catch_ups`: how many times the replica caught up before it stayed (more than one when a
-  catch-up outlasts the join timeout: the round went on without it and it fell behind again);
+- `catch_ups`: how many times the replica's process has caught up so far (more than one when a
+  catch-up outlasted the join timeout: the round went on without it and it fell behind again;
+  the quorum service then waits for its next catch-up up to `--catchup-timeout-ms`);
 - `while_serving`: the source's steps committed after the next quorum's and before the end of
   the recovering replica's fetch, and their median interval against the source's median: the
   training step while its sidecar sends (none when the sources wait for the catch-up instead).
 
-Prints a table and writes JSON (every rejoin, the command line, the machine and its load). Not a
+Prints a table and writes JSON (every catch-up, the command line, the machine and its load). Not a
 pass/fail test: on a small shared machine the seconds move with the load, so the two runs are
 side by side in one invocation."""
 
@@ -53,11 +54,13 @@ log = logging.getLogger("fthsdp.bench.source_stall")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Rejoin:
+class CatchUp:
     """One recovering replica's catch-up and what it cost its sources."""
 
     replica: str
     step: int
+    stayed: bool
+    """The replica went on training after it (a rejoin), not behind again."""
     catch_ups: int
     fetch_s: float
     load_s: float
@@ -96,17 +99,16 @@ def _median_interval(commits: Sequence[CommitEvent]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def rejoins(log_: RunLog) -> list[Rejoin]:
-    """Every rejoin of the run (the last catch-up of each restarted process, the one it stayed
-    after), with its sources' costs."""
+def catch_ups(log_: RunLog) -> list[CatchUp]:
+    """Every catch-up of the run, with its sources' costs."""
     commits = _commits(log_)
     medians = {r: _median_interval(c) for r, c in commits.items()}
-    out: list[Rejoin] = []
+    out: list[CatchUp] = []
     for replica, own in commits.items():
         for index, event in enumerate(own):
-            stays = index + 1 < len(own) and not own[index + 1].recovered
-            if not event.recovered or not stays:
+            if not event.recovered:
                 continue
+            stayed = index + 1 < len(own) and not own[index + 1].recovered
             fetch_end = event.t - event.seconds.get("commit", 0.0)
             sources, publish, quorum, lost = [], [], [], []
             serving: list[float] = []
@@ -135,9 +137,10 @@ def rejoins(log_: RunLog) -> list[Rejoin]:
                     if theirs[i].t <= fetch_end and medians[source] > 0
                 ]
             out.append(
-                Rejoin(
+                CatchUp(
                     replica=replica,
                     step=event.step,
+                    stayed=stayed,
                     catch_ups=_catch_ups(log_.replicas[replica], event.step),
                     fetch_s=event.seconds.get("fetch", 0.0),
                     load_s=event.seconds.get("commit", 0.0),
@@ -156,15 +159,16 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarise(found: Sequence[Rejoin], step_s: float) -> dict[str, Any]:
-    """Medians over the rejoins (each rejoin's sources pooled)."""
+def summarise(found: Sequence[CatchUp], step_s: float) -> dict[str, Any]:
+    """Medians over the catch-ups (each one's sources pooled)."""
 
     def pooled(field: str) -> list[float]:
         return [v for r in found for v in getattr(r, field)]
 
     ratios = [r.while_serving_ratio for r in found if r.while_serving_ratio is not None]
     return {
-        "rejoins": len(found),
+        "rejoins": sum(r.stayed for r in found),
+        "catch_ups": len(found),
         "median_step_s": step_s,
         "catch_ups_max": max((r.catch_ups for r in found), default=0),
         "publish_s": _median(pooled("publish_s")),
@@ -188,7 +192,7 @@ def _run(args: argparse.Namespace, pad_mb: int, work: Path) -> dict[str, Any]:
         kill_mode="replica",
         seed=args.seed,
         run_dir=run_dir,
-        durable_every_steps=0,  # only catch-up publishes: each serve step is a rejoin's
+        durable_every_steps=0,  # only catch-up publishes: each serve step is a catch-up's
         join_timeout=timedelta(milliseconds=args.join_timeout_ms),
         state_pad_mb=pad_mb,
         live=False,
@@ -197,14 +201,14 @@ def _run(args: argparse.Namespace, pad_mb: int, work: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     report = run_demo(config)
     log_ = RunLog.load(run_dir)
-    found = rejoins(log_)
+    found = catch_ups(log_)
     steps = [_median_interval(c) for c in _commits(log_).values()]
     return {
         "state_pad_mb": pad_mb,
         "wall_s": time.monotonic() - t0,
         "invariants_ok": all(v.get("ok") for v in report.get("invariants", {}).values()),
         "summary": summarise(found, statistics.median(steps) if steps else 0.0),
-        "rejoins": [asdict(r) for r in found],
+        "catch_ups": [asdict(r) for r in found],
     }
 
 
@@ -214,11 +218,14 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     return [
-        ("rejoins (catch-ups, most for one)", f"{s['rejoins']} ({s['catch_ups_max']})"),
+        (
+            "rejoins / catch-ups (most by one process)",
+            f"{s['rejoins']} / {s['catch_ups']} ({s['catch_ups_max']})",
+        ),
         ("median step s", _fmt(s["median_step_s"], 3)),
         ("source publish s (serve step)", _fmt(s["publish_s"])),
         ("source wait at the next quorum s", _fmt(s["next_quorum_s"])),
-        ("source time lost per rejoin s (max)", f"{_fmt(s['lost_s'])} ({_fmt(s['lost_s_max'])})"),
+        ("source time lost per catch-up s (max)", f"{_fmt(s['lost_s'])} ({_fmt(s['lost_s_max'])})"),
         ("recovering: fetch after its exchange s", _fmt(s["fetch_s"])),
         ("recovering: load s", _fmt(s["load_s"])),
         ("source steps trained while serving", str(s["while_serving_steps"])),
