@@ -1,6 +1,6 @@
 """Choices and bounds of the demo's flags (`--seq-len-mix`, `--state-pad-mb`), torch-free so the
 CLI can check them without importing torch (`corpus.PackedDataset` builds the packed mixes,
-`ballast.StateBallast` the padding)."""
+`ballast.add_ballast` the padding)."""
 
 from __future__ import annotations
 

@@ -425,13 +425,16 @@ class CoreState:
     def _note_catchups(self, old: QuorumRecord | None, new: QuorumRecord) -> None:
         """Which replicas' catch-ups outlast the join timeout (`missed_catchup`, `slow_catchup`)."""
         healthy = set(new.healthy)
-        if old is not None:
+        if old is not None and len(old.healthy) < len(old.members):  # someone was catching up
             members = {rid for rid, _ in new.members}
             for rid, incarnation in old.members:
                 reg = self.registered.get(rid)
                 missed = rid not in old.healthy and rid not in members
                 if missed and reg is not None and reg.incarnation == incarnation:
                     self.missed_catchup.add(rid)
+        if not self.missed_catchup:
+            self.slow_catchup = set()  # the steady state: nothing per member to look at
+            return
         self.missed_catchup -= healthy
         self.slow_catchup = {
             rid for rid, _ in new.members if rid not in healthy and rid in self.missed_catchup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -412,13 +413,7 @@ def test_validation_rejects_bad_input() -> None:
 
 
 CATCHUP = 10.0
-CATCHUP_CONFIG = QuorumConfig(
-    port=0,
-    admin_port=None,
-    join_timeout=timedelta(seconds=JOIN),
-    catchup_timeout=timedelta(seconds=CATCHUP),
-    heartbeat_timeout=timedelta(seconds=HB),
-)
+CATCHUP_CONFIG = dataclasses.replace(CONFIG, catchup_timeout=timedelta(seconds=CATCHUP))
 
 
 def _round_without(state: CoreState, late: str, start: float, step: int) -> Decision:
