@@ -8,12 +8,14 @@ after a growing jittered wait."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
 
+from fthsdp.services.common.backoff import Retries
 from fthsdp.services.common.tokens import Token
 from fthsdp.services.health import quorum_reporter
 from fthsdp.services.health.agent import NodeAgent
@@ -87,6 +89,11 @@ async def test_a_stream_that_fails_comes_back_after_a_growing_jittered_wait(
         waits.append(seconds)
 
     monkeypatch.setattr(quorum_reporter, "_sleep", record)
+    # Seeded jitter: with fresh entropy the growth check below fails once in ~10^4 runs (five
+    # uniform draws up to 5 s all under 0.8 s).
+    monkeypatch.setattr(
+        quorum_reporter, "Retries", lambda backoff: Retries(backoff, random.Random(7))
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound, never listening: every stream is refused at once
         reporter = QuorumReporter([f"127.0.0.1:{s.getsockname()[1]}"], Token(token))
