@@ -103,6 +103,11 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "service's)",
     )  # fmt: skip
     p.add_argument(
+        "--catchup-timeout-ms", type=int,
+        help="longest a quorum waits for a replica catching up again after its last catch-up "
+        "outlasted the join timeout, ms (default: the service's, 60000)",
+    )  # fmt: skip
+    p.add_argument(
         "--shm-dir", type=Path,
         help="where ranks on this host publish snapshots (default: a fresh /dev/shm directory, "
         "removed on stop)",
@@ -187,6 +192,7 @@ def run_up_command(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         join_timeout_ms=args.join_timeout_ms,
+        catchup_timeout_ms=args.catchup_timeout_ms,
         failslow_policy=args.failslow_policy,
         shm_dir=args.shm_dir,
         durable_dir=args.durable_dir,

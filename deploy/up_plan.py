@@ -65,6 +65,9 @@ class UpConfig:
     """The quorum service evicts a replica silent this long (its default when None)."""
     join_timeout_ms: int | None = None
     """Longest a quorum waits for a live replica that has not asked (its default when None)."""
+    catchup_timeout_ms: int | None = None
+    """Longest a quorum waits for a replica catching up again after its last catch-up outlasted
+    the join timeout (its default when None)."""
     failslow_policy: str | None = None
     """The quorum service's fail-slow mitigation: off, rebalance, evict or auto (its default,
     off, when None)."""
@@ -244,6 +247,7 @@ def _quorum_specs(
                 ("--min-replicas", config.min_replicas),
                 ("--heartbeat-timeout-ms", config.heartbeat_timeout_ms),
                 ("--join-timeout-ms", config.join_timeout_ms),
+                ("--catchup-timeout-ms", config.catchup_timeout_ms),
                 ("--failslow-policy", config.failslow_policy),
                 ("--lease-ttl-ms", config.lease_ttl_ms if redis_url is not None else None),
             ],

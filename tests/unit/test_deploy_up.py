@@ -72,6 +72,17 @@ def test_ports_from_flags_are_kept(tmp_path: Path) -> None:
     assert [s.name for s in stack.services] == ["quorum", "checkpoint"]
 
 
+def test_the_quorum_timeouts_given_reach_the_service_and_the_rest_keep_its_defaults(
+    tmp_path: Path,
+) -> None:
+    config = UpConfig(run_dir=tmp_path, join_timeout_ms=5000, catchup_timeout_ms=90000)
+    token, _ = ensure_token_file(config, tmp_path)
+    quorum = _argv(plan_stack(config, token).services, "quorum")
+    assert _value(quorum, "--join-timeout-ms") == "5000"
+    assert _value(quorum, "--catchup-timeout-ms") == "90000"
+    assert "--heartbeat-timeout-ms" not in quorum
+
+
 def test_a_wildcard_host_advertises_a_reachable_name(tmp_path: Path) -> None:
     config = UpConfig(run_dir=tmp_path, host="0.0.0.0", advertise_host="node7")
     token, _ = ensure_token_file(config, tmp_path)
