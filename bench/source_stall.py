@@ -103,6 +103,7 @@ def catch_ups(log_: RunLog) -> list[CatchUp]:
     """Every catch-up of the run, with its sources' costs."""
     commits = _commits(log_)
     medians = {r: _median_interval(c) for r, c in commits.items()}
+    position = {r: {e.step: i for i, e in enumerate(own)} for r, own in commits.items()}
     out: list[CatchUp] = []
     for replica, own in commits.items():
         for index, event in enumerate(own):
@@ -113,8 +114,7 @@ def catch_ups(log_: RunLog) -> list[CatchUp]:
             sources, publish, quorum, lost = [], [], [], []
             serving: list[float] = []
             for source, theirs in commits.items():
-                by_step = {c.step: i for i, c in enumerate(theirs)}
-                at = by_step.get(event.step)
+                at = position[source].get(event.step)
                 if source == replica or at is None or theirs[at].quorum_id != event.quorum_id:
                     continue
                 if theirs[at].seconds.get("serve", 0.0) <= 0.0:
